@@ -1,0 +1,14 @@
+"""ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies.
+
+``import lightning_zero`` registers the strategy names ``"zero1"`` and ``"zero2"``, so ``Trainer(strategy="zero2")``
+works; the classes can also be passed directly or named as ``class_path`` in a LightningCLI config.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, ZeroStrategy
+
+__all__ = ["Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
+__version__ = "0.1.0"
+
+ZeroStrategy.register_strategies(StrategyRegistry)

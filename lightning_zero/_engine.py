@@ -1,0 +1,83 @@
+"""Sets up stages 1 and 2 on a module and its optimizers: shards, buckets, gradient reduction, parameter gathering."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_zero._gather import ParamGatherer
+from lightning_zero._layout import ShardSpec
+from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._pool import BufferPool
+from lightning_zero._reducers import GradientReducer
+from lightning_zero._sharded_param import ShardedParam
+
+
+def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[ShardedParam]]:
+    """Split ``params`` into buckets of one dtype and device, each at most ``bucket_bytes`` unless a single
+    parameter is larger. Parameters are taken in reverse registration order, roughly the order backward
+    produces their gradients, so early buckets fill first."""
+    buckets: list[list[ShardedParam]] = []
+    current: list[ShardedParam] = []
+    current_bytes = 0
+    for sharded in reversed(params):
+        param = sharded.param
+        size = param.numel() * param.element_size()
+        kind_changed = current and (param.dtype, param.device) != (current[0].param.dtype, current[0].param.device)
+        if current and (kind_changed or current_bytes + size > bucket_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(sharded)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class ZeroEngine:
+    """Owns the sharded view of one module for stages 1 and 2.
+
+    Every trainable parameter gets a :class:`ShardedParam`; buckets group them for communication; the stage's
+    ``reducer`` reduces gradients during backward; after each optimizer step the gatherer rebuilds full parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        reducer_cls: type[GradientReducer],
+        mesh: DeviceMesh,
+        bucket_bytes: int,
+    ) -> None:
+        self.group: ProcessGroup = mesh.get_group()
+        world_size = self.group.size()
+        trainable = [p for p in module.parameters() if p.requires_grad]  # module.parameters() dedups tied weights
+        self.sharded = [ShardedParam(p, ShardSpec(p.shape, world_size), mesh) for p in trainable]
+        self.by_param = {id(s.param): s for s in self.sharded}
+        buckets = assign_buckets(self.sharded, bucket_bytes)
+        self.pool = BufferPool()
+        self.reducer = reducer_cls(buckets, self.group, self.pool)
+        self.gatherer = ParamGatherer(buckets, self.group, self.pool)
+
+    def shard_optimizer(self, optimizer: Optimizer) -> ZeroOptimizer:
+        """Wrap ``optimizer`` so that it steps on the shards of the module parameters it was built with."""
+        if optimizer.state:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} already holds state before training started."
+                " HINT: create optimizers fresh in `configure_optimizers`; load state through a checkpoint."
+            )
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and id(param) not in self.by_param:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
+                        " trainable parameter of the LightningModule. HINT: build optimizers from"
+                        " `self.parameters()` (or a subset of them) in `configure_optimizers`."
+                    )
+        return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather)
+
+    def remove(self) -> None:
+        """Detach from the module: no more hooks, no retained communication buffers."""
+        self.reducer.remove_hooks()
+        self.pool.clear()

@@ -1,0 +1,297 @@
+"""Gradient reduction during backward: the part of a stage that decides what happens to gradients.
+
+Each trainable parameter gets a post-accumulate-grad hook. When every parameter of a bucket has its gradient, the
+bucket's collective is launched asynchronously (buckets always launch in the same order on every rank, so ranks
+whose control flow skipped a parameter still agree); the rest of backward runs while it is in flight. A callback
+queued on the autograd engine finishes the job when backward ends: it launches the buckets still waiting on
+parameters that got no gradient, waits for all of them, and hands each shard its gradient.
+
+Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.grad`` as DDP does; stage 2
+(:class:`ReduceScatterReducer`) keeps only this rank's shard of them and frees each full gradient once staged.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from functools import partial
+
+import torch
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup, Work
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero import _collectives as comm
+from lightning_zero._layout import NaturalLayout, RankMajorLayout
+from lightning_zero._pool import BufferPool
+from lightning_zero._sharded_param import ShardedParam
+
+
+class ReduceMode(Enum):
+    """Whether the next backward passes reduce across ranks."""
+
+    SYNC = auto()  # reduce as buckets fill; gradients are final when backward returns
+    LOCAL = auto()  # accumulate on this rank only (micro-batches before the last of an accumulation window)
+
+
+class GradHome(Enum):
+    """Where a stage leaves the reduced gradients that clipping and the optimizer read."""
+
+    MODULE = auto()  # full, averaged, in ``param.grad``; shards' gradients are views of their rows
+    SHARD = auto()  # only this rank's shard, in ``shard.grad``; ``param.grad`` stays ``None``
+
+
+class BucketState(Enum):
+    """Where a bucket is within one backward pass."""
+
+    IDLE = auto()  # no gradient staged yet
+    FILLING = auto()  # some gradients staged, waiting for the rest
+    REDUCING = auto()  # collective in flight
+    DONE = auto()  # collective finished, gradients not yet handed to the shards
+
+
+class Bucket:
+    """Parameters reduced together, and the state of their reduction in the current backward pass."""
+
+    def __init__(self, position: int, params: list[ShardedParam]) -> None:
+        self.position = position  # launch order, the same on every rank
+        self.params = params
+        self.dtype = params[0].param.dtype
+        self.device = params[0].param.device
+        self.state = BucketState.IDLE
+        self.staged = [False] * len(params)
+        self.num_staged = 0
+        self.work: Work | None = None
+        self.buffer: torch.Tensor | None = None  # the collective's input while the bucket is filling or reducing
+        self.output: torch.Tensor | None = None  # where the reduced values land
+        # Set by the policy's ``_build``:
+        self.layout: NaturalLayout | RankMajorLayout | None = None
+        self.regions: list[torch.Tensor] = []  # stage 1: each parameter's full gradient inside ``buffer``
+        self.shard_grads: torch.Tensor | None = None  # stage 2, 1D (chunk_numel): this rank's gradient shards
+
+    @property
+    def complete(self) -> bool:
+        return self.num_staged == len(self.params)
+
+    def reset(self) -> None:
+        self.state = BucketState.IDLE
+        self.staged = [False] * len(self.params)
+        self.num_staged = 0
+        self.work = None
+
+
+class GradientReducer:
+    """Reduces gradients across ranks in buckets, overlapping communication with the rest of backward."""
+
+    #: whether ``ReduceMode.LOCAL`` skips reduction; a policy that must free full gradients reduces regardless
+    honours_local_accumulation: bool = True
+    grad_home: GradHome = GradHome.MODULE
+
+    def __init__(self, buckets: list[list[ShardedParam]], group: ProcessGroup, pool: BufferPool) -> None:
+        self.buckets = [Bucket(position, params) for position, params in enumerate(buckets)]
+        self.group = group
+        self.world_size = group.size()
+        self.rank = group.rank()
+        self.pool = pool
+        self.mode = ReduceMode.SYNC
+        self._in_backward = False
+        self._next_launch = 0  # index of the first bucket not yet launched in this backward
+        self._handles: list[RemovableHandle] = []
+        for bucket in self.buckets:
+            self._build(bucket)
+            for index, sharded in enumerate(bucket.params):
+                hook = partial(self._on_grad_ready, bucket, index)
+                self._handles.append(sharded.param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- the policy: what a stage does with a bucket --------------------------------------------------------------
+
+    def _build(self, bucket: Bucket) -> None:
+        """Allocate the bucket's persistent storage and point each shard's gradient at it."""
+        raise NotImplementedError
+
+    def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
+        """Copy ``sharded.param.grad`` into the bucket's input and mark it present."""
+        raise NotImplementedError
+
+    def _stage_absent(self, bucket: Bucket, index: int) -> None:
+        """Fill the slot of a parameter that produced no gradient on this rank with zeros and an absent flag."""
+        raise NotImplementedError
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's asynchronous collective."""
+        raise NotImplementedError
+
+    def _publish(self, bucket: Bucket) -> None:
+        """After the collective: give each parameter present on some rank its reduced gradient."""
+        raise NotImplementedError
+
+    # --- the mechanism --------------------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        if self.mode is ReduceMode.LOCAL and self.honours_local_accumulation:
+            return
+        if bucket.state in (BucketState.REDUCING, BucketState.DONE):
+            raise RuntimeError(
+                f"A parameter of shape {tuple(param.shape)} received a second gradient after its bucket was reduced"
+                " in the same backward pass. HINT: use non-reentrant activation checkpointing"
+                " (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`)."
+            )
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finalize)
+        self._stage(bucket, index, bucket.params[index])
+        if not bucket.staged[index]:
+            bucket.staged[index] = True
+            bucket.num_staged += 1
+        bucket.state = BucketState.FILLING
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        bucket = self.buckets[self._next_launch]
+        self._launch(bucket)
+        bucket.state = BucketState.REDUCING
+        self._next_launch += 1
+
+    def _finalize(self) -> None:
+        """End of backward: reduce what is left, wait for every bucket, publish the gradients."""
+        with torch.profiler.record_function("lightning_zero::finalize_grads"):
+            while self._next_launch < len(self.buckets):
+                bucket = self.buckets[self._next_launch]
+                for index, sharded in enumerate(bucket.params):
+                    if not bucket.staged[index]:
+                        if sharded.param.grad is not None:
+                            self._stage(bucket, index, sharded)
+                        else:
+                            self._stage_absent(bucket, index)
+                self._launch_next()
+            for bucket in self.buckets:
+                self._wait(bucket)
+                self._publish(bucket)
+                bucket.reset()
+        self._next_launch = 0
+        self._in_backward = False
+
+    def _wait(self, bucket: Bucket) -> None:
+        if bucket.state is BucketState.REDUCING:
+            assert bucket.work is not None
+            bucket.work.wait()
+            bucket.state = BucketState.DONE
+            self._release_input(bucket)
+
+    def _release_input(self, bucket: Bucket) -> None:
+        """Called once a bucket's collective no longer reads its input."""
+
+
+class AllReduceReducer(GradientReducer):
+    """Stage 1: full gradients, averaged over ranks, kept in ``param.grad`` (a view of a persistent bucket)."""
+
+    def _build(self, bucket: Bucket) -> None:
+        bucket.layout = NaturalLayout([s.param.shape for s in bucket.params])
+        bucket.buffer = torch.zeros(bucket.layout.numel, dtype=bucket.dtype, device=bucket.device)
+        bucket.output = bucket.buffer
+        bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]
+        for sharded, region in zip(bucket.params, bucket.regions):
+            sharded.set_grad_storage(sharded.spec.take(region, self.rank))
+
+    def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
+        region = bucket.regions[index]
+        grad = sharded.param.grad
+        if grad.data_ptr() != region.data_ptr():
+            region.copy_(grad)
+            sharded.param.grad = region
+        bucket.layout.flags(bucket.buffer)[index] = 1
+
+    def _stage_absent(self, bucket: Bucket, index: int) -> None:
+        bucket.regions[index].zero_()
+        bucket.layout.flags(bucket.buffer)[index] = 0
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.buffer.div_(self.world_size)
+        bucket.work = comm.all_reduce_sum(bucket.buffer, self.group)
+
+    def _publish(self, bucket: Bucket) -> None:
+        present = bucket.layout.flags(bucket.buffer).tolist()
+        for sharded, region, flag in zip(bucket.params, bucket.regions, present):
+            if flag > 0:
+                sharded.param.grad = region
+                sharded.publish_grad()
+            else:
+                sharded.param.grad = None
+                sharded.shard.grad = None
+
+
+class ReduceScatterReducer(GradientReducer):
+    """Stage 2: each rank keeps only its shard of the averaged gradients; full gradients are freed once staged."""
+
+    honours_local_accumulation = False  # accumulating full gradients locally would undo the memory saving
+    grad_home = GradHome.SHARD
+
+    def _build(self, bucket: Bucket) -> None:
+        bucket.layout = RankMajorLayout([s.spec for s in bucket.params], self.world_size)
+        # accumulated across backward passes until the optimizer zeroes the shards' gradients
+        bucket.shard_grads = torch.zeros(bucket.layout.chunk_numel, dtype=bucket.dtype, device=bucket.device)
+        for index, sharded in enumerate(bucket.params):
+            sharded.set_grad_storage(bucket.layout.region(bucket.shard_grads, index, self.rank))
+
+    def _input_chunks(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.buffer is None:
+            bucket.buffer = self.pool.acquire(bucket.layout.numel, bucket.dtype, bucket.device)
+            chunks = bucket.layout.chunks(bucket.buffer)
+            chunks[:, bucket.layout.flags_offset :].zero_()
+        return bucket.layout.chunks(bucket.buffer)
+
+    def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
+        chunks = self._input_chunks(bucket)
+        grad, layout, spec = sharded.param.grad, bucket.layout, sharded.spec
+        regions = [layout.region(chunks[r], index, r) for r in range(self.world_size)]
+        parts = [spec.take(grad, r) for r in range(self.world_size)]
+        if bucket.staged[index]:  # a second gradient for the same parameter in one backward
+            torch._foreach_add_(regions, parts)
+        else:
+            torch._foreach_copy_(regions, parts)
+        chunks[:, layout.flags_offset + index] = 1
+        sharded.param.grad = None
+
+    def _stage_absent(self, bucket: Bucket, index: int) -> None:
+        chunks = self._input_chunks(bucket)
+        start = bucket.layout.offsets[index]
+        chunks[:, start : start + bucket.params[index].spec.padded_numel].zero_()
+        chunks[:, bucket.layout.flags_offset + index] = 0
+
+    def _launch(self, bucket: Bucket) -> None:
+        chunks = self._input_chunks(bucket)
+        chunks.div_(self.world_size)
+        fresh = all(s.shard.grad is None for s in bucket.params)
+        bucket.output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
+        bucket.work = comm.reduce_scatter_sum(bucket.output, bucket.buffer, self.group)
+        # Bound the staging memory: the bucket launched two before this one must have released its input.
+        if bucket.position >= 2:
+            self._wait(self.buckets[bucket.position - 2])
+
+    def _release_input(self, bucket: Bucket) -> None:
+        self.pool.release(bucket.buffer)
+        bucket.buffer = None
+
+    def _publish(self, bucket: Bucket) -> None:
+        layout = bucket.layout
+        present = layout.flags(bucket.output).tolist()
+        for index, (sharded, flag) in enumerate(zip(bucket.params, present)):
+            if flag == 0:
+                continue
+            if bucket.output is not bucket.shard_grads:
+                incoming = layout.region(bucket.output, index, self.rank)
+                target = sharded.shard_grad.to_local()
+                if sharded.shard.grad is None:
+                    target.copy_(incoming)
+                else:
+                    target.add_(incoming)
+            sharded.publish_grad()
+        bucket.output = None
