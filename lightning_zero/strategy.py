@@ -101,6 +101,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._engine: ZeroEngine | None = None
+        self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
 
     @property
     def stage(self) -> Stage:
@@ -157,6 +158,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         self._engine = ZeroEngine(self.lightning_module, _reducer_for(self.stage), mesh, self.config.bucket_bytes)
+        self._buffers_due = True
         self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
 
     @contextmanager
@@ -176,12 +178,35 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._sync_buffers_before_forward()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._sync_buffers_before_forward()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._sync_buffers_before_forward()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers_before_forward()
+        return super().predict_step(*args, **kwargs)
+
+    def _sync_buffers_before_forward(self) -> None:
+        """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule:
+        so BatchNorm statistics evolve as they would under ``"ddp"``."""
         engine = self._engine
-        if engine is not None and self.config.broadcast_buffers and engine.reducer.mode is ReduceMode.SYNC:
+        if engine is None or not self.config.broadcast_buffers:
+            return
+        if self._buffers_due:
             assert self.lightning_module is not None
             with torch.no_grad():
                 comm.broadcast_(list(self.lightning_module.buffers()), engine.group)
-        return super().training_step(*args, **kwargs)
+        self._buffers_due = torch.is_grad_enabled() and engine.reducer.mode is ReduceMode.SYNC
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class Classifier(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.inp = nn.Linear(d_in, hidden)
+        self.inp = nn.Linear(d_in, hidden, bias=not batch_norm)  # a bias before BatchNorm gets only rounding noise
         self.norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
         self.mid = nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, classes)

@@ -15,6 +15,41 @@ import lightning_zero  # noqa: F401  (registers the strategy names)
 from tests.workers.modules import MODULES
 
 
+class MemoryProbe(pl.Callback):
+    """Bytes per rank, by walking tensors (deduplicated by storage): gradients right before the first step."""
+
+    def __init__(self) -> None:
+        self.grad_bytes: int | None = None
+        self.full_grads: int | None = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        if self.grad_bytes is not None:
+            return
+        engine = getattr(trainer.strategy, "_engine", None)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        self.full_grads = len(grads)
+        if engine is not None:
+            grads += [b.buffer for b in engine.reducer.buckets if b.buffer is not None and b.shard_grads is None]
+            grads += [b.shard_grads for b in engine.reducer.buckets if b.shard_grads is not None]
+        self.grad_bytes = storage_bytes(grads)
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() == 0:
+            continue
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return storage_bytes(tensors)
+
+
 def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
     pl.seed_everything(scenario.get("seed", 0), workers=True)
     module = MODULES[scenario["module"]](**scenario.get("module_kwargs", {}))
@@ -31,7 +66,8 @@ def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
         limit_val_batches=scenario.get("limit_val_batches", 0),
     )
     trainer_kwargs.update(scenario.get("trainer_kwargs", {}))
-    trainer = pl.Trainer(**trainer_kwargs)
+    probe = MemoryProbe()
+    trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
     trainer.fit(module)
     result: dict[str, Any] = {
         "losses": list(module.losses),
@@ -39,6 +75,9 @@ def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
         "optimizers": [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers],
         "lrs": [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers],
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "grad_bytes": probe.grad_bytes,
+        "full_grads": probe.full_grads,
+        "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
     }
     for fn in scenario.get("after_fit", []):
         if fn == "predict":
@@ -52,13 +91,11 @@ def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else None
     results = {}
     for scenario in spec:
         for strategy in scenario["strategies"]:
             results[(scenario["name"], strategy)] = run(scenario, strategy)
-            rank = torch.distributed.get_rank()
-    torch.save(results, out_dir / f"rank{rank}.pt")
+    torch.save(results, out_dir / f"rank{torch.distributed.get_rank()}.pt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Stages 1 and 2 against DDP: the same seeded LightningModule, written for DDP, trained for several steps on 2 and
+3 CPU processes under each strategy, must end with the same parameters, buffers, optimizer state and losses.
+
+Tolerance (fp32): the strategies sum the same per-rank gradients in a different order (bucketed all-reduce vs
+reduce-scatter, division before or after the sum), which moves results by a few ulps (~1e-7 relative) per step;
+Adam's normalised update and six steps keep that far below ``rtol=1e-4, atol=1e-5``. Anything wrong in sharding,
+gathering or reduction shows up orders of magnitude above it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.launch import run_scenarios
+
+RTOL, ATOL = 1e-4, 1e-5
+ZERO = ["zero1", "zero2"]
+
+
+def scenario(name: str, reference: str = "ddp", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "module": "classifier", "strategies": [reference, *ZERO], **fields}
+
+
+UNUSED_OK = "ddp_find_unused_parameters_true"  # DDP needs this where parameters go without gradients
+
+SCENARIOS = [
+    scenario("adam"),
+    scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
+    scenario("sgd_scheduler_dict", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
+    scenario("scheduler_lists", module_kwargs={"scheduler": "step", "config_style": "list"}),
+    scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
+    scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
+    scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+    scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    scenario("frozen", module_kwargs={"freeze_first": True}),
+    scenario("unused_every_other_step", reference=UNUSED_OK, module_kwargs={"unused_branch": True}),
+    scenario(
+        "batchnorm_eval",
+        module_kwargs={"batch_norm": True},
+        limit_val_batches=2,
+        trainer_kwargs={"val_check_interval": 3},
+        after_fit=["validate", "test", "predict"],
+    ),
+    {"name": "manual_one", "module": "manual", "strategies": ["ddp", *ZERO]},
+    {
+        "name": "manual_two_optimizers",
+        "module": "manual",
+        "module_kwargs": {"two_optimizers": True},
+        "strategies": [UNUSED_OK, *ZERO],
+    },
+]
+NAMES = [s["name"] for s in SCENARIOS]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}procs")
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    return run_scenarios([dict(s) for s in SCENARIOS], request.param, tmp_path_factory.mktemp("parity"))
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def compare_optimizer_states(actual: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    assert actual["state"].keys() == expected["state"].keys(), f"{what}: parameters with state differ"
+    for index, expected_state in expected["state"].items():
+        for key, value in expected_state.items():
+            got = actual["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                close(got, value, f"{what} state[{index}][{key}]")
+            else:
+                assert got == value, f"{what} state[{index}][{key}]"
+    for got, want in zip(actual["param_groups"], expected["param_groups"]):
+        assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in want.items() if k != "params"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("strategy", ZERO)
+def test_matches_ddp(results: list[dict[Any, Any]], name: str, strategy: str) -> None:
+    spec = next(s for s in SCENARIOS if s["name"] == name)
+    for rank, per_rank in enumerate(results):
+        expected, actual = per_rank[(name, spec["strategies"][0])], per_rank[(name, strategy)]
+        what = f"{name}/{strategy}/rank{rank}"
+        assert len(actual["losses"]) == len(expected["losses"]) > 0
+        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses")
+        assert actual["state_dict"].keys() == expected["state_dict"].keys()
+        for key, value in expected["state_dict"].items():
+            close(actual["state_dict"][key], value, f"{what} {key}")
+        assert len(actual["optimizers"]) == len(expected["optimizers"])
+        for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"])):
+            compare_optimizer_states(got, want, f"{what} optimizer{i}")
+        assert actual["lrs"] == expected["lrs"]
+        for key, value in expected["callback_metrics"].items():
+            assert actual["callback_metrics"][key] == pytest.approx(value, rel=RTOL, abs=ATOL), f"{what} {key}"
+        for fn in spec.get("after_fit", []):
+            if fn == "predict":
+                close(actual["predict"], expected["predict"], f"{what} predict")
+            else:
+                assert actual[fn] == pytest.approx(expected[fn], rel=RTOL, abs=ATOL), f"{what} {fn}"
+
+
+@pytest.mark.parametrize("strategy", ZERO)
+def test_ranks_hold_identical_parameters(results: list[dict[Any, Any]], strategy: str) -> None:
+    """After each step every rank's shards are gathered everywhere: all ranks end with the same full weights."""
+    for name in NAMES:
+        first = results[0][(name, strategy)]["state_dict"]
+        for rank, per_rank in enumerate(results[1:], start=1):
+            for key, value in per_rank[(name, strategy)]["state_dict"].items():
+                if key.startswith("norm.running") or key.endswith("num_batches_tracked"):
+                    continue  # BatchNorm statistics follow each rank's own batches, as under DDP
+                assert torch.equal(value, first[key]), f"{name}/{strategy}: rank {rank} differs in {key}"
+
+
+def test_scenarios_change_the_weights(results: list[dict[Any, Any]]) -> None:
+    """Guards the oracle: training really moved the parameters, so matching DDP means something."""
+    from tests.workers.modules import Classifier
+
+    torch.manual_seed(0)
+    initial = Classifier().state_dict()
+    final = results[0][("adam", "ddp")]["state_dict"]
+    assert (final["mid.weight"] - initial["mid.weight"]).abs().max() > 1e-3
