@@ -102,7 +102,8 @@ class ResidualMLP(pl.LightningModule):
         # enough samples for every rank's steps once Lightning's DistributedSampler splits them
         n = self.batch_size * self.num_batches * self.trainer.world_size
         gen = torch.Generator().manual_seed(1234)
-        data = TensorDataset(torch.randn(n, self.d_in, generator=gen), torch.randint(0, self.classes, (n,), generator=gen))
+        x = torch.randn(n, self.d_in, generator=gen)
+        data = TensorDataset(x, torch.randint(0, self.classes, (n,), generator=gen))
         return DataLoader(data, batch_size=self.batch_size)
 
 
@@ -183,7 +184,7 @@ def fit(name: str, args: argparse.Namespace, callbacks: list[Callback]) -> Resid
     module = ResidualMLP(args.hidden, args.layers, args.batch_size, total)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        devices=args.world_size,
         strategy=make_strategy(name, args.bucket_cap_mb),
         max_steps=total,
         callbacks=callbacks,
@@ -231,6 +232,7 @@ class Profile(Callback):
 
 
 def worker(args: argparse.Namespace) -> None:
+    args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
     results = []
     for round_index in range(args.rounds):
         shift = round_index % len(STRATEGIES)
@@ -268,7 +270,8 @@ def report(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
     for name in STRATEGIES:
         speeds = [speed[name, r] for r in rounds]
         ratio = statistics.median(speed[name, r] / speed["ddp", r] for r in rounds)
-        mem = {k: max(r[k] for r in runs[name, args.rounds - 1]) / MIB for k in ("params", "grads", "optimizer", "pool")}
+        last = runs[name, args.rounds - 1]
+        mem = {k: max(r[k] for r in last) / MIB for k in ("params", "grads", "optimizer", "pool")}
         lines.append(
             f"| {name} | {statistics.median(speeds):.2f} | {min(speeds):.2f}-{max(speeds):.2f} | {ratio:.3f}"
             f" | {mem['params']:.1f} | {mem['grads']:.1f} | {mem['optimizer']:.1f} | {mem['pool']:.1f} |"
@@ -306,7 +309,7 @@ def launch(world_size: int, argv: list[str]) -> int:
             stdout = None if rank == 0 else log
             procs.append((subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=log), log))
         codes = [proc.wait() for proc, _ in procs]
-        for rank, ((_, log), code) in enumerate(zip(procs, codes)):
+        for rank, ((_, log), code) in enumerate(zip(procs, codes, strict=True)):
             log.close()
             if code != 0:
                 print(f"--- rank {rank} exited with {code} ---\n{Path(log.name).read_text()[-6000:]}", file=sys.stderr)

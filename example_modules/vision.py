@@ -7,7 +7,6 @@ network must learn oriented filters rather than memorise pixels.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -37,7 +36,7 @@ class ImageClassifier(LightningModule):
     """
 
     def __init__(
-        self, num_classes: int = 4, width: int = 16, learning_rate: float = 1e-2, weight_decay: float = 1e-4
+        self, num_classes: int = 8, width: int = 16, learning_rate: float = 1e-2, weight_decay: float = 1e-4
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -96,10 +95,10 @@ class GratingData(LightningDataModule):
 
     def __init__(
         self,
-        num_classes: int = 4,
+        num_classes: int = 8,
         image_size: int = 16,
         cycles: float = 3.0,
-        noise: float = 1.0,
+        noise: float = 1.5,
         train_samples: int = 4096,
         val_samples: int = 512,
         batch_size: int = 32,

@@ -17,13 +17,15 @@ def full_optimizer_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
     """The optimizer's ``state_dict`` with every sharded tensor gathered whole (a collective call)."""
     state_dict = optimizer.state_dict()
     sharded_keys: dict[int, list[str]] = {}
+    full_state: dict[int, dict[str, Any]] = {}
     for index, param_state in state_dict["state"].items():
+        full_state[index] = {}  # a new dict: ``state_dict()`` hands out the optimizer's live per-parameter dicts
         for key, value in param_state.items():
             if isinstance(value, DTensor):
-                param_state[key] = value.full_tensor()
+                value = value.full_tensor()
                 sharded_keys.setdefault(index, []).append(key)
-    state_dict[_SHARDED_KEYS] = sharded_keys
-    return state_dict
+            full_state[index][key] = value
+    return {**state_dict, "state": full_state, _SHARDED_KEYS: sharded_keys}
 
 
 def _was_sharded(key: str, value: object, shape: torch.Size) -> bool:

@@ -44,6 +44,7 @@ SCENARIOS = [
         trainer_kwargs={"val_check_interval": 3},
         after_fit=["validate", "test", "predict"],
     ),
+    scenario("memory", module_kwargs={"hidden": 256}, max_steps=2),
     {"name": "manual_one", "module": "manual", "strategies": ["ddp", *ZERO]},
     {
         "name": "manual_two_optimizers",
@@ -122,3 +123,49 @@ def test_scenarios_change_the_weights(results: list[dict[Any, Any]]) -> None:
     initial = Classifier().state_dict()
     final = results[0][("adam", "ddp")]["state_dict"]
     assert (final["mid.weight"] - initial["mid.weight"]).abs().max() > 1e-3
+
+
+def shard_numels(name: str, world_size: int, rank: int) -> tuple[int, int, int, int]:
+    """(parameters, this rank's shard elements, padded shard elements, elements in one row of each parameter)
+    of the scenario's module."""
+    from lightning_zero._layout import ShardSpec
+    from tests.workers.modules import Classifier
+
+    spec = next(s for s in SCENARIOS if s["name"] == name)
+    module = Classifier(**spec.get("module_kwargs", {}))
+    specs = [ShardSpec(p.shape, world_size) for p in module.parameters() if p.requires_grad]
+    local = sum(s.local_numel(rank) for s in specs)
+    return len(specs), local, sum(s.padded_numel for s in specs), sum(s.row_numel for s in specs)
+
+
+@pytest.mark.parametrize("strategy", ZERO)
+def test_optimizer_state_is_sharded(results: list[dict[Any, Any]], strategy: str) -> None:
+    """Adam's two moments exist on each rank only for its shard: the total over ranks, plus nothing but the
+    per-parameter step counters (4 bytes each), which every rank keeps."""
+    world_size = len(results)
+    ddp_bytes = results[0][("memory", "ddp")]["state_bytes"][0]
+    num_params, _, _, rows = shard_numels("memory", world_size, 0)
+    moments_total = ddp_bytes - 4 * num_params
+    per_rank = []
+    for rank, per in enumerate(results):
+        _, local, _, _ = shard_numels("memory", world_size, rank)
+        got = per[("memory", strategy)]["state_bytes"][0]
+        assert got == 2 * 4 * local + 4 * num_params, f"rank {rank}: {got} bytes of optimizer state"
+        per_rank.append(got - 4 * num_params)
+    replicated = 1  # the 0-dim temperature: every rank keeps its moments
+    assert sum(per_rank) == moments_total + 2 * 4 * (world_size - 1) * replicated  # else an exact partition
+    assert max(per_rank) <= moments_total / world_size + 2 * 4 * rows  # uneven splits: at most a row per parameter
+
+
+def test_stage2_keeps_only_gradient_shards(results: list[dict[Any, Any]]) -> None:
+    world_size = len(results)
+    ddp_grads = results[0][("memory", "ddp")]["grad_bytes"]
+    for rank, per in enumerate(results):
+        zero2 = per[("memory", "zero2")]
+        num_params, _, padded, rows = shard_numels("memory", world_size, rank)
+        assert zero2["full_grads"] == 0, "full gradients outlived backward"
+        assert zero2["grad_bytes"] == 4 * (padded + num_params)  # padded shards and one presence flag each
+        assert zero2["grad_bytes"] <= ddp_grads / world_size + 4 * (rows + num_params)  # padding: a row + flag each
+        zero1 = per[("memory", "zero1")]
+        assert zero1["full_grads"] == num_params
+        assert zero1["grad_bytes"] == ddp_grads + 4 * num_params  # full gradients, in buckets with their flags
