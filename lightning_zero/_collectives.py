@@ -32,4 +32,4 @@ def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -
             flat = torch.cat([t.reshape(-1) for t in same_dtype])
             dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
             parts = flat.split([t.numel() for t in same_dtype])
-            torch._foreach_copy_(same_dtype, [part.view_as(t) for part, t in zip(parts, same_dtype)])
+            torch._foreach_copy_(same_dtype, [part.view_as(t) for part, t in zip(parts, same_dtype, strict=True)])

@@ -58,12 +58,12 @@ class ZeroOptimizer(Optimizer):
     @contextmanager
     def shards_installed(self) -> Generator[None, None, None]:
         """Let the wrapped optimizer see the shards in its groups for the duration."""
-        for group, shards in zip(self.optimizer.param_groups, self._shard_groups):
+        for group, shards in zip(self.optimizer.param_groups, self._shard_groups, strict=True):
             group["params"] = shards
         try:
             yield
         finally:
-            for group, params in zip(self.optimizer.param_groups, self._module_groups):
+            for group, params in zip(self.optimizer.param_groups, self._module_groups, strict=True):
                 group["params"] = params
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -6,7 +6,7 @@ import torch
 
 
 class BufferPool:
-    """Free lists of 1D buffers per (dtype, device); a buffer is lent whole and a view of the size asked for returned."""
+    """Free lists of 1D buffers per (dtype, device): a buffer is lent whole, as a view of the size asked for."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

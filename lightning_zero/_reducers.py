@@ -198,7 +198,7 @@ class AllReduceReducer(GradientReducer):
         bucket.buffer = torch.zeros(bucket.layout.numel, dtype=bucket.dtype, device=bucket.device)
         bucket.output = bucket.buffer
         bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]
-        for sharded, region in zip(bucket.params, bucket.regions):
+        for sharded, region in zip(bucket.params, bucket.regions, strict=True):
             sharded.set_grad_storage(sharded.spec.take(region, self.rank))
 
     def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
@@ -219,7 +219,7 @@ class AllReduceReducer(GradientReducer):
 
     def _publish(self, bucket: Bucket) -> None:
         present = bucket.layout.flags(bucket.buffer).tolist()
-        for sharded, region, flag in zip(bucket.params, bucket.regions, present):
+        for sharded, region, flag in zip(bucket.params, bucket.regions, present, strict=True):
             if flag > 0:
                 sharded.param.grad = region
                 sharded.publish_grad()
@@ -283,7 +283,7 @@ class ReduceScatterReducer(GradientReducer):
     def _publish(self, bucket: Bucket) -> None:
         layout = bucket.layout
         present = layout.flags(bucket.output).tolist()
-        for index, (sharded, flag) in enumerate(zip(bucket.params, present)):
+        for index, (sharded, flag) in enumerate(zip(bucket.params, present, strict=True)):
             if flag == 0:
                 continue
             if bucket.output is not bucket.shard_grads:

@@ -218,7 +218,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             if isinstance(optimizer, ZeroOptimizer):
                 load_full_optimizer_state(optimizer, state)
             else:

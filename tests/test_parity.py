@@ -45,6 +45,11 @@ SCENARIOS = [
         after_fit=["validate", "test", "predict"],
     ),
     scenario("memory", module_kwargs={"hidden": 256}, max_steps=2),
+    # Save at step 12 (an epoch end on 2 and on 3 ranks), resume in a fresh Trainer and module, compare with DDP
+    # doing the same: model, optimizer state, scheduler and loop progress all went through the checkpoint.
+    scenario("resume", module_kwargs={"scheduler": "step", "config_style": "dict"}, resume_at=12, max_steps=14),
+    # An ordinary DDP checkpoint resumed under each stage.
+    scenario("resume_from_ddp", resume_at=12, max_steps=14, save_with="ddp"),
     {"name": "manual_one", "module": "manual", "strategies": ["ddp", *ZERO]},
     {
         "name": "manual_two_optimizers",
@@ -74,7 +79,7 @@ def compare_optimizer_states(actual: dict[str, Any], expected: dict[str, Any], w
                 close(got, value, f"{what} state[{index}][{key}]")
             else:
                 assert got == value, f"{what} state[{index}][{key}]"
-    for got, want in zip(actual["param_groups"], expected["param_groups"]):
+    for got, want in zip(actual["param_groups"], expected["param_groups"], strict=True):
         assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in want.items() if k != "params"}
 
 
@@ -91,7 +96,7 @@ def test_matches_ddp(results: list[dict[Any, Any]], name: str, strategy: str) ->
         for key, value in expected["state_dict"].items():
             close(actual["state_dict"][key], value, f"{what} {key}")
         assert len(actual["optimizers"]) == len(expected["optimizers"])
-        for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"])):
+        for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"], strict=True)):
             compare_optimizer_states(got, want, f"{what} optimizer{i}")
         assert actual["lrs"] == expected["lrs"]
         for key, value in expected["callback_metrics"].items():
@@ -169,3 +174,4 @@ def test_stage2_keeps_only_gradient_shards(results: list[dict[Any, Any]]) -> Non
         zero1 = per[("memory", "zero1")]
         assert zero1["full_grads"] == num_params
         assert zero1["grad_bytes"] == ddp_grads + 4 * num_params  # full gradients, in buckets with their flags
+

@@ -50,25 +50,15 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     return storage_bytes(tensors)
 
 
-def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
-    pl.seed_everything(scenario.get("seed", 0), workers=True)
-    module = MODULES[scenario["module"]](**scenario.get("module_kwargs", {}))
-    trainer_kwargs = dict(
-        accelerator="cpu",
-        devices=int(scenario["world_size"]),
-        strategy=strategy,
-        max_steps=scenario.get("max_steps", 6),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=scenario.get("limit_val_batches", 0),
-    )
-    trainer_kwargs.update(scenario.get("trainer_kwargs", {}))
-    probe = MemoryProbe()
-    trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
-    trainer.fit(module)
+def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any]:
+    resume_at = scenario.get("resume_at")
+    ckpt_path = None
+    if resume_at is not None:  # train part of the way, save, and resume in a fresh Trainer and module
+        first, _ = fit(scenario, scenario.get("save_with", strategy), max_steps=resume_at)
+        ckpt_path = out_dir / f"{scenario['name']}-{strategy}.ckpt"
+        first.save_checkpoint(ckpt_path)
+    trainer, probe = fit(scenario, strategy, ckpt_path=ckpt_path)
+    module = trainer.lightning_module
     result: dict[str, Any] = {
         "losses": list(module.losses),
         "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -88,13 +78,37 @@ def run(scenario: dict[str, Any], strategy: str) -> dict[str, Any]:
     return result
 
 
+def fit(
+    scenario: dict[str, Any], strategy: str, max_steps: int | None = None, ckpt_path: Path | None = None
+) -> tuple[pl.Trainer, MemoryProbe]:
+    pl.seed_everything(scenario.get("seed", 0), workers=True)
+    module = MODULES[scenario["module"]](**scenario.get("module_kwargs", {}))
+    trainer_kwargs = dict(
+        accelerator="cpu",
+        devices=int(scenario["world_size"]),
+        strategy=strategy,
+        max_steps=max_steps or scenario.get("max_steps", 6),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=scenario.get("limit_val_batches", 0),
+    )
+    trainer_kwargs.update(scenario.get("trainer_kwargs", {}))
+    probe = MemoryProbe()
+    trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, probe
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     results = {}
     for scenario in spec:
         for strategy in scenario["strategies"]:
-            results[(scenario["name"], strategy)] = run(scenario, strategy)
+            results[(scenario["name"], strategy)] = run(scenario, strategy, out_dir)
     torch.save(results, out_dir / f"rank{torch.distributed.get_rank()}.pt")
 
 
