@@ -1,44 +1,160 @@
-"""Optimizer state in checkpoints: whole tensors on disk, this rank's shards in memory."""
+"""What goes into a checkpoint and comes back out of one, for the live module and optimizers of any stage.
+
+Saving never gathers: the model state holds each sharded parameter as the DTensor over this rank's rows, and the
+optimizer state keeps its DTensor shards; both are named by parameter, so a checkpoint taken at one world size and
+stage loads at another (see :mod:`lightning_zero._distributed_checkpoint`). Ordinary single-file Lightning
+checkpoints (from ``"ddp"``, or consolidated) load too: each rank keeps its shard of every whole tensor.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.optim import Optimizer
 
+from lightning_zero import _distributed_checkpoint as ckpt
+from lightning_zero._engine import ZeroEngine
 from lightning_zero._optimizer import ZeroOptimizer
 
-# Names, per parameter index, of the state entries that were sharded like their parameter when saved.
-_SHARDED_KEYS = "lightning_zero_sharded_keys"
+# In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
+SHARDED_KEYS = "lightning_zero_sharded_keys"
 
 
-def full_optimizer_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
-    """The optimizer's ``state_dict`` with every sharded tensor gathered whole (a collective call)."""
-    state_dict = optimizer.state_dict()
-    sharded_keys: dict[int, list[str]] = {}
-    full_state: dict[int, dict[str, Any]] = {}
-    for index, param_state in state_dict["state"].items():
-        full_state[index] = {}  # a new dict: ``state_dict()`` hands out the optimizer's live per-parameter dicts
-        for key, value in param_state.items():
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-                sharded_keys.setdefault(index, []).append(key)
-            full_state[index][key] = value
-    return {**state_dict, "state": full_state, _SHARDED_KEYS: sharded_keys}
+def sharded_model_state(module: nn.Module, engine: ZeroEngine | None) -> dict[str, Any]:
+    """``module.state_dict()`` with every sharded parameter replaced by the DTensor over this rank's rows. The values
+    alias the live tensors, so loading into this dict loads into the module."""
+    state = module.state_dict()
+    if engine is None:
+        return state
+    for name, param in module.named_parameters(remove_duplicate=False):
+        sharded = engine.by_param.get(id(param))
+        if sharded is not None and name in state:
+            state[name] = sharded.wrap(sharded.local)
+    return state
+
+
+def _optimizer_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
+    """What the optimizer updates, in its state-dict index order: shards for a ZeRO optimizer."""
+    if isinstance(optimizer, ZeroOptimizer):
+        with optimizer.shards_installed():
+            return [p for group in optimizer.param_groups for p in group["params"]]
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _module_param_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def named_optimizer_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The optimizer's state dict, parameters named rather than numbered, shards left as DTensors."""
+    names = _module_param_names(optimizer, ckpt.module_names(module))
+    return ckpt.named_optimizer_state(optimizer.state_dict(), names)
+
+
+def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path, rank: int, barrier: Any) -> None:
+    """Write Lightning's ``checkpoint`` (model and optimizer states as made by this module) as a directory."""
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    shapes = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
+    model_state, optimizer_states = checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
+    flat, optimizer_meta = ckpt.flatten(model_state, optimizer_states, shapes)
+    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, rank, barrier)
+
+
+# --- loading a checkpoint directory ----------------------------------------------------------------------------------
+
+
+def load_directory(
+    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer]
+) -> dict[str, Any]:
+    """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
+    return the rest of the Lightning checkpoint."""
+    meta, metadata = ckpt.read_meta(path)
+    model_target = {ckpt.MODEL + k: v for k, v in sharded_model_state(module, engine).items()}
+    targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
+    flat = dict(model_target)
+    for target in targets:
+        flat.update(target)
+    ckpt.check_compatible(flat, metadata, path)
+    ckpt.load(flat, path)
+    if engine is not None:
+        with torch.no_grad():
+            engine.gatherer.gather()  # the rows other ranks own
+    for index, (optimizer, target) in enumerate(zip(optimizers, targets, strict=True)):
+        groups = meta["param_groups"][index]
+        optimizer.load_state_dict(_indexed_state(index, optimizer, module, target, groups, path))
+    # Lightning insists on the key; the empty list tells ``load_optimizer_state_dict`` all is loaded already.
+    return {**meta["checkpoint"], "optimizer_states": []} if optimizers else meta["checkpoint"]
+
+
+def _optimizer_target(
+    index: int, optimizer: Optimizer, module: nn.Module, metadata: Metadata, meta: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    names = _module_param_names(optimizer, ckpt.module_names(module))
+    tensors = _optimizer_tensors(optimizer)
+    sharded = meta["sharded"].get(index, {})
+    prefix = ckpt.optim_prefix(index)
+    if index not in meta["param_groups"]:
+        raise ckpt.CheckpointError(
+            f"Checkpoint {path} holds no state for optimizer {index}. HINT: it was saved with fewer optimizers, or"
+            " with `save_weights_only=True`; load it with `strict=False` loading or from a full checkpoint."
+        )
+    target: dict[str, Any] = {}
+    by_name = dict(zip(names, tensors, strict=True))
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix + "state/"):
+            continue
+        fqn, name = key[len(prefix + "state/") :].rsplit("/", 1)
+        if fqn not in by_name:
+            raise ckpt.CheckpointError(
+                f"Checkpoint {path} holds optimizer state for `{fqn}`, which optimizer {index} does not update."
+                " HINT: load it with the `configure_optimizers` it was trained with."
+            )
+        if not isinstance(entry, TensorStorageMetadata):
+            target[key] = None
+        elif name in sharded.get(fqn, ()):
+            target[key] = torch.empty_like(by_name[fqn], dtype=entry.properties.dtype)
+        else:
+            target[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return target
+
+
+def _indexed_state(
+    index: int, optimizer: Optimizer, module: nn.Module, target: dict[str, Any], groups: list[dict], path: Path
+) -> dict[str, Any]:
+    module_names = ckpt.module_names(module)
+    position = {name: i for i, name in enumerate(_module_param_names(optimizer, module_names))}
+    configured = [[module_names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if [g["params"] for g in groups] != configured:
+        raise ckpt.CheckpointError(
+            f"Checkpoint {path}: the parameter groups of optimizer {index} differ from the ones configured now."
+            " HINT: load it with the `configure_optimizers` it was trained with."
+        )
+    prefix = ckpt.optim_prefix(index) + "state/"
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in target.items():
+        if key.startswith(prefix):
+            fqn, name = key[len(prefix) :].rsplit("/", 1)
+            state.setdefault(position[fqn], {})[name] = value
+    return {"state": state, "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in groups]}
+
+
+# --- loading a single-file checkpoint --------------------------------------------------------------------------------
 
 
 def _was_sharded(key: str, value: object, shape: torch.Size) -> bool:
-    """For checkpoints written without this package: a tensor shaped like its parameter was sharded with it."""
+    """For checkpoints written without a record: a tensor shaped like its parameter is sharded with it."""
     return isinstance(value, torch.Tensor) and value.shape == shape and key != "step"
 
 
 def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a ``state_dict`` of whole tensors, keeping of each parameter-shaped tensor only my shard."""
-    with optimizer.shards_installed():
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _optimizer_tensors(optimizer)
     by_shard = {id(s.shard): s for s in optimizer.sharded}
-    recorded: dict[int, list[str]] | None = state_dict.get(_SHARDED_KEYS)
+    recorded: dict[int, list[str]] | None = state_dict.get(SHARDED_KEYS)
     state = {}
     for index, param_state in state_dict["state"].items():
         sharded = by_shard.get(id(params[index]))
@@ -53,5 +169,6 @@ def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, An
                     local = sharded.spec.take(value, sharded.rank).to(sharded.local.device).clone()
                     converted[key] = sharded.wrap(local)
         state[index] = converted
-    clean = {k: v for k, v in state_dict.items() if k != _SHARDED_KEYS}
+    clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
     optimizer.load_state_dict({**clean, "state": state})
+

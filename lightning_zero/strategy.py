@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -12,6 +14,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -25,7 +28,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import _collectives as comm
-from lightning_zero._checkpoint import full_optimizer_state, load_full_optimizer_state
+from lightning_zero._checkpoint import (
+    load_directory,
+    load_full_optimizer_state,
+    named_optimizer_state,
+    save_directory,
+    sharded_model_state,
+)
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._engine import ZeroEngine
 from lightning_zero._optimizer import ZeroOptimizer
@@ -208,17 +217,68 @@ class ZeroStrategy(DDPStrategy):
                 comm.broadcast_(list(self.lightning_module.buffers()), engine.group)
         self._buffers_due = torch.is_grad_enabled() and engine.reducer.mode is ReduceMode.SYNC
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a sharded checkpoint loads into the shards, which exist only after setup
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return sharded_model_state(self.lightning_module, self._engine)
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if isinstance(optimizer, ZeroOptimizer):
-            return full_optimizer_state(optimizer)
-        return optimizer.state_dict()
+        assert self.lightning_module is not None
+        return named_optimizer_state(optimizer, self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its own shards into the directory ``filepath``, published atomically when complete."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} writes sharded checkpoint directories itself and takes no `storage_options`."
+                " HINT: drop `storage_options`; use `lightning_zero.consolidate_checkpoint` for a single file."
+            )
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(filepath)))
+        save_directory(checkpoint, self.lightning_module, path, self.global_rank, self.barrier)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        return load_directory(path, self.lightning_module, self._engine, optimizers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # absent when a checkpoint directory was loaded in place
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+        states = checkpoint["optimizer_states"]
+        if not states:  # a checkpoint directory was loaded in place
+            return
+        for optimizer, state in zip(self.optimizers, states, strict=True):
             if isinstance(optimizer, ZeroOptimizer):
                 load_full_optimizer_state(optimizer, state)
             else:

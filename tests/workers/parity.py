@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from tests.workers.modules import MODULES
@@ -45,6 +46,16 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state dict with shards gathered whole, to compare with DDP's."""
+    state_dict = optimizer.state_dict()
+    full = {
+        index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entries.items()}
+        for index, entries in state_dict["state"].items()
+    }
+    return {**state_dict, "state": full}
+
+
 def optimizer_state_bytes(optimizer: Any) -> int:
     tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return storage_bytes(tensors)
@@ -62,7 +73,7 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
     result: dict[str, Any] = {
         "losses": list(module.losses),
         "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "optimizers": [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers],
+        "optimizers": [full_optimizer_state(opt) for opt in trainer.optimizers],
         "lrs": [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers],
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "grad_bytes": probe.grad_bytes,
