@@ -6,9 +6,11 @@ works; the classes can also be passed directly or named as ``class_path`` in a L
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero._distributed_checkpoint import CheckpointError
+from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, ZeroStrategy
 
-__all__ = ["Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
+__all__ = ["CheckpointError", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy", "consolidate_checkpoint"]
 __version__ = "0.1.0"
 
 ZeroStrategy.register_strategies(StrategyRegistry)

@@ -80,8 +80,9 @@ def named_optimizer_state(state_dict: dict[str, Any], names: list[str]) -> dict[
     return {"state": state, "param_groups": groups}
 
 
-def indexed_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`named_optimizer_state`: indices follow the order of the saved groups."""
+def indexed_optimizer_state(named: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The inverse of :func:`named_optimizer_state` (indices follow the order of the saved groups), and the index
+    given to each name."""
     index = {}
     groups = []
     for group in named["param_groups"]:
@@ -90,7 +91,8 @@ def indexed_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
             index.setdefault(fqn, len(index))
             ids.append(index[fqn])
         groups.append({**group, "params": ids})
-    return {"state": {index[fqn]: entries for fqn, entries in named["state"].items()}, "param_groups": groups}
+    state = {index[fqn]: entries for fqn, entries in named["state"].items()}
+    return {"state": state, "param_groups": groups}, index
 
 
 # --- saving ----------------------------------------------------------------------------------------------------------

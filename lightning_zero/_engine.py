@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import Enum, auto
+
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +38,13 @@ def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[S
     return buckets
 
 
+class EngineState(Enum):
+    """Whether the engine is hooked into the module's backward."""
+
+    ATTACHED = auto()  # reducing gradients during backward
+    DETACHED = auto()  # hooks removed after training; the sharded layout stays readable for checkpoints
+
+
 class ZeroEngine:
     """Owns the sharded view of one module for stages 1 and 2.
 
@@ -59,6 +68,7 @@ class ZeroEngine:
         self.pool = BufferPool()
         self.reducer = reducer_cls(buckets, self.group, self.pool)
         self.gatherer = ParamGatherer(buckets, self.group, self.pool)
+        self.state = EngineState.ATTACHED
 
     def shard_optimizer(self, optimizer: Optimizer) -> ZeroOptimizer:
         """Wrap ``optimizer`` so that it steps on the shards of the module parameters it was built with."""
@@ -77,7 +87,8 @@ class ZeroEngine:
                     )
         return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather)
 
-    def remove(self) -> None:
-        """Detach from the module: no more hooks, no retained communication buffers."""
+    def detach(self) -> None:
+        """No more hooks, no retained communication buffers; the shards still describe the module's layout."""
         self.reducer.remove_hooks()
         self.pool.clear()
+        self.state = EngineState.DETACHED

@@ -36,7 +36,7 @@ from lightning_zero._checkpoint import (
     sharded_model_state,
 )
 from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._engine import ZeroEngine
+from lightning_zero._engine import EngineState, ZeroEngine
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
@@ -142,6 +142,7 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        self._remove_engine()  # from an earlier `fit`; a new one is built for this one
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -209,7 +210,7 @@ class ZeroStrategy(DDPStrategy):
         """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule:
         so BatchNorm statistics evolve as they would under ``"ddp"``."""
         engine = self._engine
-        if engine is None or not self.config.broadcast_buffers:
+        if engine is None or engine.state is EngineState.DETACHED or not self.config.broadcast_buffers:
             return
         if self._buffers_due:
             assert self.lightning_module is not None
@@ -287,12 +288,14 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._remove_engine()
+        # Detached, not dropped: a checkpoint saved after `fit` still writes each rank's shards only.
+        if self._engine is not None:
+            self._engine.detach()
         super().teardown()
 
     def _remove_engine(self) -> None:
         if self._engine is not None:
-            self._engine.remove()
+            self._engine.detach()
             self._engine = None
 
     @classmethod

@@ -1,0 +1,156 @@
+"""Sharded checkpoints: resume at other world sizes and stages, consolidation, crashes, corrupted files.
+
+Exactness: a checkpoint stores tensors bit for bit, so whatever is restored must equal what was saved exactly; only
+the comparison with DDP's independent run uses the parity tolerance of tests/test_parity.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import CheckpointError, consolidate_checkpoint
+from lightning_zero._distributed_checkpoint import is_checkpoint_dir, read_meta
+from tests.launch import launch
+from tests.workers.checkpoints import MODULE_KWARGS
+from tests.workers.modules import Classifier
+
+WORKER = "tests.workers.checkpoints"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoints")
+    launch(WORKER, ["train", str(out)], world_size=2)
+    launch(WORKER, ["resume_3ranks_zero1", str(out)], world_size=3)
+    launch(WORKER, ["resume_1rank_zero2", str(out)], world_size=1)
+    return out
+
+
+def load(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=False)
+
+
+def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["global_step"] == expected["global_step"]
+    assert actual["lr"] == expected["lr"]
+    for key, value in expected["state_dict"].items():
+        assert torch.equal(actual["state_dict"][key], value), key
+    assert actual["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    for index, entries in expected["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(actual["optimizer"]["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("restored", ["restored-3ranks.pt", "restored-1rank.pt"])
+def test_restores_exactly_at_other_world_sizes_and_stages(run_dir: Path, restored: str) -> None:
+    """zero2 on 2 ranks -> zero1 on 3 ranks -> zero2 on 1 rank: weights, optimizer state, schedule and step intact."""
+    assert_same_state(load(run_dir / restored), load(run_dir / "truth.pt"))
+
+
+def test_training_continues_after_a_cross_layout_resume(run_dir: Path) -> None:
+    continued, truth = load(run_dir / "continued-1rank.pt"), load(run_dir / "truth.pt")
+    assert continued["global_step"] == 14
+    assert not torch.equal(continued["state_dict"]["mid.weight"], truth["state_dict"]["mid.weight"])
+
+
+def test_ranks_write_only_their_shards(run_dir: Path) -> None:
+    """Each rank wrote its own file, and the largest tensor is split between them, not written whole by one."""
+    files = sorted(p.name for p in (run_dir / "zero2-2ranks").glob("*.distcp"))
+    assert len(files) == 2, files
+    _, metadata = read_meta(run_dir / "zero2-2ranks")
+    chunks = metadata.state_dict_metadata["model/mid.weight"].chunks
+    assert len(chunks) == 2 and {c.offsets[0] for c in chunks} == {0, 15}  # 29 rows: 15 + 14
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_consolidated_file_loads_anywhere(run_dir: Path, tmp_path: Path, weights_only: bool) -> None:
+    output = consolidate_checkpoint(run_dir / "zero1-3ranks", tmp_path / "full.ckpt", weights_only=weights_only)
+    truth, ddp = load(run_dir / "truth.pt"), load(run_dir / "ddp.pt")
+    checkpoint = torch.load(output, weights_only=False)
+    for key, value in truth["state_dict"].items():
+        assert torch.equal(checkpoint["state_dict"][key], value), key
+        torch.testing.assert_close(checkpoint["state_dict"][key], ddp["state_dict"][key], rtol=1e-4, atol=1e-5)
+    assert ("optimizer_states" in checkpoint) is not weights_only
+    model = Classifier.load_from_checkpoint(output)  # no process group, no GPU
+    assert model.hparams.hidden == MODULE_KWARGS["hidden"]
+    for key, value in truth["state_dict"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    if weights_only:
+        return
+    for index, entries in truth["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(checkpoint["optimizer_states"][0]["state"][index][key], value)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=13, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False)
+    trainer.fit(Classifier(**MODULE_KWARGS), ckpt_path=output)  # a plain Trainer resumes from it
+    assert trainer.global_step == 13
+
+
+def test_command_line_consolidation(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_zero.__main__ import main
+
+    assert main(["consolidate", str(run_dir / "zero2-2ranks"), str(tmp_path / "w.ckpt"), "--weights-only"]) == 0
+    assert "optimizer_states" not in torch.load(tmp_path / "w.ckpt", weights_only=False)
+    assert main(["consolidate", str(tmp_path / "nowhere"), str(tmp_path / "x.ckpt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_model_checkpoint_rotation_removes_whole_directories(run_dir: Path) -> None:
+    entries = sorted(p.name for p in (run_dir / "rotating").iterdir())
+    assert entries == ["epoch=0-step=6.ckpt", "epoch=1-step=8.ckpt"], entries
+    assert all(is_checkpoint_dir(run_dir / "rotating" / name) for name in entries)
+
+
+def corrupted_copy(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "zero2-2ranks", copy)
+    return copy
+
+
+def test_missing_shard_file_is_named(run_dir: Path, tmp_path: Path) -> None:
+    copy = corrupted_copy(run_dir, tmp_path)
+    (copy / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp is missing; it holds `.*`.*HINT"):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_truncated_shard_file_is_named(run_dir: Path, tmp_path: Path) -> None:
+    copy = corrupted_copy(run_dir, tmp_path)
+    shard = copy / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated .* needed for `.*`"):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+
+
+def test_checkpoint_of_another_model_is_refused(run_dir: Path) -> None:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=13, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    other = Classifier(**{**MODULE_KWARGS, "hidden": 31})
+    with pytest.raises(CheckpointError, match=r"`model/gate` with shape \(1, 29\), the model expects \(1, 31\)"):
+        trainer.fit(other, ckpt_path=run_dir / "zero2-2ranks")
+
+
+def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"processes failed \[\(0, 17\), \(1, 17\)\]"):
+        launch(WORKER, ["crash_during_save", str(tmp_path)], world_size=2)
+    assert is_checkpoint_dir(tmp_path / "good")
+    assert not (tmp_path / "interrupted").exists()  # nothing that looks like a checkpoint
+    assert (tmp_path / ".interrupted.partial").is_dir()
+    launch(WORKER, ["resume_after_crash", str(tmp_path)], world_size=2)
+    assert load(tmp_path / "after-crash.pt")["global_step"] == 6
+    assert is_checkpoint_dir(tmp_path / "interrupted")
+    assert not (tmp_path / ".interrupted.partial").exists()
+
+
+def test_public_names() -> None:
+    assert lightning_zero.consolidate_checkpoint is consolidate_checkpoint

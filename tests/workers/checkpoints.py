@@ -1,0 +1,99 @@
+"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint tests; ``argv``: phase, dir."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+import lightning_zero  # noqa: F401
+from tests.workers.modules import Classifier
+from tests.workers.parity import full_optimizer_state
+
+MODULE_KWARGS = {"scheduler": "step", "config_style": "dict", "hidden": 29}
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
+
+
+def trainer(strategy: str, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def snapshot(t: pl.Trainer) -> dict[str, Any]:
+    module = t.lightning_module
+    return {
+        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "optimizer": full_optimizer_state(t.optimizers[0]),
+        "global_step": t.global_step,
+        "lr": t.optimizers[0].param_groups[0]["lr"],
+    }
+
+
+def fit(strategy: str, max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0)
+    t = trainer(strategy, max_steps, **kwargs)
+    t.fit(Classifier(**MODULE_KWARGS), ckpt_path=ckpt_path)
+    return t
+
+
+def save_rank0(obj: Any, path: Path) -> None:
+    if torch.distributed.get_rank() == 0:
+        torch.save(obj, path)
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    if phase == "train":  # 2 ranks: the truth, a zero2 checkpoint, a DDP run, ModelCheckpoint rotation
+        t = fit("zero2", 12)
+        save_rank0(snapshot(t), out / "truth.pt")
+        t.save_checkpoint(out / "zero2-2ranks")
+        save_rank0(snapshot(fit("ddp", 12)), out / "ddp.pt")
+        rotating = ModelCheckpoint(dirpath=out / "rotating", every_n_train_steps=2, save_top_k=2, monitor="step",
+                                   mode="max")
+        fit("zero1", 8, callbacks=[rotating], enable_checkpointing=True)
+    elif phase == "resume_3ranks_zero1":  # restore only (max_steps already reached), then save at 3 ranks
+        t = fit("zero1", 12, ckpt_path=out / "zero2-2ranks")
+        save_rank0(snapshot(t), out / "restored-3ranks.pt")
+        t.save_checkpoint(out / "zero1-3ranks")
+    elif phase == "resume_1rank_zero2":
+        t = fit("zero2", 12, ckpt_path=out / "zero1-3ranks")
+        save_rank0(snapshot(t), out / "restored-1rank.pt")
+        t.save_checkpoint(out / "zero2-1rank")
+        t = fit("zero1", 14, ckpt_path=out / "zero2-1rank")  # and training goes on from there
+        save_rank0(snapshot(t), out / "continued-1rank.pt")
+    elif phase == "crash_during_save":  # a good save, then every rank dies half-way through writing the next
+        t = fit("zero2", 4)
+        t.save_checkpoint(out / "good")
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+            original(self, plan, planner)
+            os._exit(17)
+
+        FileSystemWriter.write_data = write_then_die
+        t.save_checkpoint(out / "interrupted")
+    elif phase == "resume_after_crash":
+        t = fit("zero2", 6, ckpt_path=out / "good")
+        save_rank0(snapshot(t), out / "after-crash.pt")
+        t.save_checkpoint(out / "interrupted")  # the same name now saves cleanly over the leftovers
+    else:
+        raise ValueError(phase)
+
+
+if __name__ == "__main__":
+    main()
