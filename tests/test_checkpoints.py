@@ -54,6 +54,15 @@ def test_restores_exactly_at_other_world_sizes_and_stages(run_dir: Path, restore
     assert_same_state(load(run_dir / restored), load(run_dir / "truth.pt"))
 
 
+def test_resume_from_model_checkpoint_continues_as_ddp_does(run_dir: Path) -> None:
+    """Lightning's own resume of this module is not bit-exact with an uninterrupted run, under DDP too; ZeRO must
+    continue exactly as DDP continues from its own checkpoint of the same step."""
+    zero, ddp = load(run_dir / "zero2-resumed.pt"), load(run_dir / "ddp-resumed.pt")
+    assert zero["global_step"] == ddp["global_step"] == 18
+    for key, value in ddp["state_dict"].items():
+        torch.testing.assert_close(zero["state_dict"][key], value, rtol=1e-4, atol=1e-5)
+
+
 def test_training_continues_after_a_cross_layout_resume(run_dir: Path) -> None:
     continued, truth = load(run_dir / "continued-1rank.pt"), load(run_dir / "truth.pt")
     assert continued["global_step"] == 14

@@ -66,6 +66,12 @@ def main() -> None:
         rotating = ModelCheckpoint(dirpath=out / "rotating", every_n_train_steps=2, save_top_k=2, monitor="step",
                                    mode="max")
         fit("zero1", 8, callbacks=[rotating], enable_checkpointing=True)
+        # an epoch is 6 steps on 2 ranks: keep every epoch's checkpoint, resume from the second to the end
+        for strategy in ("zero2", "ddp"):
+            every_epoch = ModelCheckpoint(dirpath=out / strategy, every_n_epochs=1, save_top_k=-1)
+            fit(strategy, 18, callbacks=[every_epoch], enable_checkpointing=True)
+            resumed = fit(strategy, 18, ckpt_path=out / strategy / "epoch=1-step=12.ckpt")
+            save_rank0(snapshot(resumed), out / f"{strategy}-resumed.pt")
     elif phase == "resume_3ranks_zero1":  # restore only (max_steps already reached), then save at 3 ranks
         t = fit("zero1", 12, ckpt_path=out / "zero2-2ranks")
         save_rank0(snapshot(t), out / "restored-3ranks.pt")
