@@ -6,6 +6,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+# torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Work:
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
@@ -14,12 +18,12 @@ def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Work:
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup) -> Work:
     with torch.profiler.record_function("lightning_zero::reduce_scatter_grads"):
-        return dist.reduce_scatter_tensor(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Work:
     with torch.profiler.record_function("lightning_zero::all_gather_params"):
-        return dist.all_gather_into_tensor(output, chunk, group=group, async_op=True)
+        return _all_gather(output, chunk, group=group, async_op=True)
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:
