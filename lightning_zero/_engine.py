@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, auto
 
+import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -11,10 +13,20 @@ from torch.optim import Optimizer
 
 from lightning_zero._gather import ParamGatherer
 from lightning_zero._layout import ShardSpec
+from lightning_zero._loss_scaler import LossScaler
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._pool import BufferPool
 from lightning_zero._reducers import GradientReducer
 from lightning_zero._sharded_param import ShardedParam
+
+
+@dataclass(frozen=True)
+class EnginePrecision:
+    """Dtypes the engine adds on top of the module's own (see ``ZeroConfig``)."""
+
+    master_dtype: torch.dtype | None = None  # the optimizer's copy of my shard, when the module is 16-bit
+    reduce_dtype: torch.dtype | None = None  # of the gradient reduction, stage 2; ``None``: the parameters' dtype
+    loss_scaling: bool = False  # dynamic loss scaling, for fp16 gradients
 
 
 def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[ShardedParam]]:
@@ -58,15 +70,20 @@ class ZeroEngine:
         reducer_cls: type[GradientReducer],
         mesh: DeviceMesh,
         bucket_bytes: int,
+        precision: EnginePrecision | None = None,
     ) -> None:
         self.group: ProcessGroup = mesh.get_group()
         world_size = self.group.size()
+        precision = precision or EnginePrecision()
         trainable = [p for p in module.parameters() if p.requires_grad]  # module.parameters() dedups tied weights
-        self.sharded = [ShardedParam(p, ShardSpec(p.shape, world_size), mesh) for p in trainable]
+        self.sharded = [
+            ShardedParam(p, ShardSpec(p.shape, world_size), mesh, precision.master_dtype) for p in trainable
+        ]
         self.by_param = {id(s.param): s for s in self.sharded}
         buckets = assign_buckets(self.sharded, bucket_bytes)
         self.pool = BufferPool()
-        self.reducer = reducer_cls(buckets, self.group, self.pool)
+        self.scaler = LossScaler(self.group) if precision.loss_scaling else None
+        self.reducer = reducer_cls(buckets, self.group, self.pool, precision.reduce_dtype, self.scaler)
         self.gatherer = ParamGatherer(buckets, self.group, self.pool)
         self.state = EngineState.ATTACHED
 
@@ -85,7 +102,7 @@ class ZeroEngine:
                         " trainable parameter of the LightningModule. HINT: build optimizers from"
                         " `self.parameters()` (or a subset of them) in `configure_optimizers`."
                     )
-        return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather)
+        return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather, self.scaler)
 
     def detach(self) -> None:
         """No more hooks, no retained communication buffers; the shards still describe the module's layout."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero._loss_scaler import LossScaler, StepVerdict
 from lightning_zero._reducers import GradHome
 from lightning_zero._sharded_param import ShardedParam
 
@@ -32,16 +33,21 @@ class ZeroOptimizer(Optimizer):
         shards: dict[int, ShardedParam],
         grad_home: GradHome,
         gather: Callable[[set[int]], None],
+        scaler: LossScaler | None = None,
     ) -> None:
         # The base constructor is skipped on purpose: this object owns no parameters of its own.
         self.optimizer = optimizer
         self._grad_home = grad_home
         self._gather = gather
+        self._scaler = scaler
         self._module_groups = [list(group["params"]) for group in optimizer.param_groups]
         # the same groups with every sharded parameter replaced by its shard (frozen ones stay as they are)
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
         self.sharded = [shards[id(p)] for ps in self._module_groups for p in ps if id(p) in shards]
         self._shard_ids = {id(s.shard) for s in self.sharded}
+        with_master = [s for s in self.sharded if s.has_master]
+        self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
+        self._masters = [s.master for s in with_master]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -67,15 +73,22 @@ class ZeroOptimizer(Optimizer):
                 group["params"] = params
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run the closure (forward and backward, reducing gradients), update my shards, gather the parameters."""
+        """Run the closure (forward and backward, reducing gradients), update my shards, gather the parameters.
+        With loss scaling, a step in which any rank's gradients overflowed is skipped on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with self.shards_installed():
-            self.optimizer.step()
-        with torch.no_grad():
-            self._gather(self._shard_ids)
+        skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
+        if not skip:
+            with self.shards_installed():
+                self.optimizer.step()
+            with torch.no_grad():
+                if self._masters:
+                    torch._foreach_copy_(self._module_rows, self._masters)
+                self._gather(self._shard_ids)
+        if self._scaler is not None:
+            self._scaler.update()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero._layout import NaturalLayout, RankMajorLayout
+from lightning_zero._loss_scaler import LossScaler
 from lightning_zero._pool import BufferPool
 from lightning_zero._sharded_param import ShardedParam
 
@@ -52,10 +53,10 @@ class BucketState(Enum):
 class Bucket:
     """Parameters reduced together, and the state of their reduction in the current backward pass."""
 
-    def __init__(self, position: int, params: list[ShardedParam]) -> None:
+    def __init__(self, position: int, params: list[ShardedParam], dtype: torch.dtype | None) -> None:
         self.position = position  # launch order, the same on every rank
         self.params = params
-        self.dtype = params[0].param.dtype
+        self.dtype = dtype or params[0].param.dtype  # of the collective: the parameters' or the reduce dtype
         self.device = params[0].param.device
         self.state = BucketState.IDLE
         self.staged = [False] * len(params)
@@ -86,8 +87,20 @@ class GradientReducer:
     honours_local_accumulation: bool = True
     grad_home: GradHome = GradHome.MODULE
 
-    def __init__(self, buckets: list[list[ShardedParam]], group: ProcessGroup, pool: BufferPool) -> None:
-        self.buckets = [Bucket(position, params) for position, params in enumerate(buckets)]
+    def __init__(
+        self,
+        buckets: list[list[ShardedParam]],
+        group: ProcessGroup,
+        pool: BufferPool,
+        reduce_dtype: torch.dtype | None = None,
+        scaler: LossScaler | None = None,
+    ) -> None:
+        self.buckets = [Bucket(position, params, reduce_dtype) for position, params in enumerate(buckets)]
+        self.scaler = scaler
+        # Gradients handed to the optimizer as copies (another dtype, or unscaled) no longer alias ``param.grad``.
+        copies = scaler is not None or any(s.has_master for b in buckets for s in b)
+        self.grad_home = GradHome.SHARD if copies else type(self).grad_home
+        self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
         self.group = group
         self.world_size = group.size()
         self.rank = group.rank()
@@ -176,6 +189,9 @@ class GradientReducer:
                 self._wait(bucket)
                 self._publish(bucket)
                 bucket.reset()
+            if self.scaler is not None:
+                self.scaler.unscale_(self._published)
+        self._published = []
         self._next_launch = 0
         self._in_backward = False
 
@@ -188,6 +204,9 @@ class GradientReducer:
 
     def _release_input(self, bucket: Bucket) -> None:
         """Called once a bucket's collective no longer reads its input."""
+
+    def _hand_over(self, sharded: ShardedParam) -> None:
+        self._published.append(sharded.publish_grad(copy=self.scaler is not None))
 
 
 class AllReduceReducer(GradientReducer):
@@ -222,7 +241,7 @@ class AllReduceReducer(GradientReducer):
         for sharded, region, flag in zip(bucket.params, bucket.regions, present, strict=True):
             if flag > 0:
                 sharded.param.grad = region
-                sharded.publish_grad()
+                self._hand_over(sharded)
             else:
                 sharded.param.grad = None
                 sharded.shard.grad = None
@@ -288,10 +307,10 @@ class ReduceScatterReducer(GradientReducer):
                 continue
             if bucket.output is not bucket.shard_grads:
                 incoming = layout.region(bucket.output, index, self.rank)
-                target = sharded.shard_grad.to_local()
+                target = sharded.grad_storage
                 if sharded.shard.grad is None:
                     target.copy_(incoming)
                 else:
                     target.add_(incoming)
-            sharded.publish_grad()
+            self._hand_over(sharded)
         bucket.output = None

@@ -13,21 +13,32 @@ from lightning_zero._layout import ShardSpec
 class ShardedParam:
     """A module parameter seen by the optimizer as its shard on the data-parallel mesh.
 
-    ``shard`` is an ``nn.Parameter`` holding a DTensor (``Shard(0)``, or ``Replicate`` for a 0-dim parameter) whose
-    local tensor is a view of this rank's rows of the module parameter. The optimizer's in-place update therefore
-    writes straight into the module, and only the other ranks' rows travel after the step. Per-parameter maths in an
-    optimizer (a trust ratio's norms, say) sees the whole parameter through DTensor's reductions.
+    ``shard`` is an ``nn.Parameter`` holding a DTensor (``Shard(0)``, or ``Replicate`` for a 0-dim parameter) over
+    ``master``. Without a master dtype, ``master`` *is* ``local``, a view of this rank's rows of the module parameter:
+    the optimizer's in-place update writes straight into the module, and only the other ranks' rows travel after the
+    step. With one (the ZeRO mixed-precision mode: 16-bit module, fp32 optimizer), ``master`` is a copy of those rows
+    in that dtype, and exists for this rank's rows only. Per-parameter maths in an optimizer (a trust ratio's norms,
+    say) sees the whole parameter through DTensor's reductions.
     """
 
-    def __init__(self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh, master_dtype: torch.dtype | None = None
+    ) -> None:
         self.param = param
         self.spec = spec
         self.mesh = mesh
         self.rank = mesh.get_local_rank()
         self.placements: tuple[Placement, ...] = (Replicate(),) if spec.replicated else (Shard(0),)
         self.local = spec.take(param.detach(), self.rank)  # view of param's own storage, local_shape(rank)
-        self.shard = nn.Parameter(self.wrap(self.local), requires_grad=param.requires_grad)
-        self.shard_grad: DTensor | None = None  # set by the gradient reducer: a DTensor over its persistent storage
+        converts = master_dtype is not None and master_dtype != param.dtype
+        self.master = self.local.to(master_dtype, copy=True) if converts else self.local
+        self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
+        self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
+        self._grad_view: DTensor | None = None  # a DTensor over ``grad_storage`` when the optimizer can use it as is
+
+    @property
+    def has_master(self) -> bool:
+        return self.master is not self.local
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """A DTensor of this parameter's global shape around ``local``, this rank's part of it."""
@@ -37,7 +48,16 @@ class ShardedParam:
         )
 
     def set_grad_storage(self, local_grad: torch.Tensor) -> None:
-        self.shard_grad = self.wrap(local_grad)
+        self.grad_storage = local_grad
+        self._grad_view = self.wrap(local_grad) if local_grad.dtype == self.master.dtype else None
 
-    def publish_grad(self) -> None:
-        self.shard.grad = self.shard_grad
+    def publish_grad(self, copy: bool) -> torch.Tensor:
+        """Hand the reduced gradient to the optimizer, as a view of its storage or, when ``copy`` (the caller will
+        unscale it in place) or the master dtype differs, as a copy in the master dtype. Returns its local tensor."""
+        assert self.grad_storage is not None
+        if self._grad_view is not None and not copy:
+            self.shard.grad = self._grad_view
+            return self.grad_storage
+        local = self.grad_storage.to(self.master.dtype, copy=True)
+        self.shard.grad = self.wrap(local)
+        return local
