@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
-import lightning_zero  # noqa: F401  (registers the strategy names)
+from lightning_zero import ZeroStrategy
+from lightning_zero.memory import measure
 from tests.workers.modules import MODULES
 
 
@@ -79,6 +80,7 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         "grad_bytes": probe.grad_bytes,
         "full_grads": probe.full_grads,
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
+        "model_state": measure(module, trainer.optimizers, getattr(trainer.strategy, "_engine", None)),
     }
     for fn in scenario.get("after_fit", []):
         if fn == "predict":
@@ -89,6 +91,18 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
     return result
 
 
+def make_strategy(name: str) -> Any:
+    """``"zero2:master_weights=true,reduce_dtype=float32"`` -> a configured ``ZeroStrategy``; names stay names."""
+    if ":" not in name:
+        return name
+    base, options = name.split(":", 1)
+    kwargs: dict[str, Any] = {}
+    for option in options.split(","):
+        key, value = option.split("=")
+        kwargs[key] = {"true": True, "false": False}.get(value, value)
+    return ZeroStrategy(stage=int(base.removeprefix("zero")), **kwargs)
+
+
 def fit(
     scenario: dict[str, Any], strategy: str, max_steps: int | None = None, ckpt_path: Path | None = None
 ) -> tuple[pl.Trainer, MemoryProbe]:
@@ -97,7 +111,7 @@ def fit(
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=int(scenario["world_size"]),
-        strategy=strategy,
+        strategy=make_strategy(strategy),
         max_steps=max_steps or scenario.get("max_steps", 6),
         logger=False,
         enable_checkpointing=False,
