@@ -1,12 +1,15 @@
 """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file, on any machine.
 
 No process group and no GPU are needed. Tensors are read one at a time, each assembled whole from the shard files
-that hold its pieces, so reading never holds more than the output plus one tensor being assembled.
+that hold its pieces, so reading never holds more than the output plus one tensor being assembled: about the
+weights for ``weights_only``, and the whole checkpoint (weights and optimizer state) otherwise, since the output is
+one ``torch.save`` file.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,9 @@ def _read(path: Path, key: str, metadata: Any) -> Any:
     else:
         value = None
     holder = {key: value}
-    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # DCP says it assumes one process; that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(holder, checkpoint_id=path, no_dist=True)
     return holder[key]
 
 

@@ -1,0 +1,326 @@
+"""Time and memory of saving a "zero2" checkpoint directory and of consolidating it into one file.
+
+Run with the package installed (``pip install -e .``): ``python benchmarks/bench_checkpoint.py [--params-millions N]``.
+
+With no ``RANK`` in the environment the script starts ``--world-size`` copies of itself the way torchrun does (so every
+``Trainer(devices=N)`` joins one gloo group and Lightning never relaunches itself). They train a stack of square
+``nn.Linear`` layers for one Adam step under "zero2", so optimizer state exists, and save with
+``trainer.save_checkpoint``. Then the launcher runs ``python -m lightning_zero consolidate`` twice (full, and
+``--weights-only``), each in a fresh process reaped with ``os.wait4``, so each peak RSS is that process's own and not
+the largest of every child so far (which ``RUSAGE_CHILDREN`` would give). A process that only imports
+``lightning_zero`` is measured too: its peak RSS and seconds are the floor every consolidation stands on.
+
+Everything is written under a temporary directory in /tmp, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero  # noqa: F401  registers the strategy name "zero2"
+
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params-millions", type=float, default=300.0, help="model size, in millions of parameters")
+    parser.add_argument("--width", type=int, default=4096, help="width of the square linear layers")
+    parser.add_argument("--world-size", type=int, default=2, help="processes to start (torchrun's count wins)")
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)  # set by the launcher for its workers
+    args = parser.parse_args(argv)
+    if args.params_millions <= 0 or args.width < 1 or args.world_size < 1:
+        parser.error("--params-millions, --width and --world-size must be positive")
+    return args
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+
+
+class LinearStack(pl.LightningModule):
+    """``layers`` square linear layers trained with Adam on one random sample per rank."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.width = width
+        self.layers = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        # one sample per rank: the step only has to create optimizer state, so keep the activations tiny
+        x = torch.randn(self.trainer.world_size, self.width, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x), batch_size=1)
+
+
+def layer_count(args: argparse.Namespace) -> int:
+    return max(1, round(args.params_millions * 1e6 / (args.width * args.width + args.width)))
+
+
+# --- one worker ---------------------------------------------------------------------------------------------------
+
+
+def train_one_step(args: argparse.Namespace) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    module = LinearStack(args.width, layer_count(args))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.world_size,
+        strategy="zero2",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def reset_peak_rss() -> bool:
+    """Make this process's peak RSS (``VmHWM``) restart from its current RSS; Linux only."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field such as ``VmRSS`` or ``VmHWM`` (peak RSS, which ``reset_peak_rss``
+    resets; ``ru_maxrss`` may not follow the reset), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise KeyError(field)
+
+
+def worker(args: argparse.Namespace) -> None:
+    args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
+    rank = int(os.environ["RANK"])
+    trainer = train_one_step(args)
+    dist.barrier()  # every rank starts the save together, so rank 0's clock times the slowest writer too
+    reset = reset_peak_rss()
+    before = status_bytes("VmRSS") if reset else None
+    start = time.perf_counter()
+    trainer.save_checkpoint(args.workdir / "checkpoint")  # ends with a barrier
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        print(f"rank 0: trainer.save_checkpoint took {seconds:.2f} s", flush=True)
+    # without the reset, VmHWM would be the whole run's peak, training included; then it is left out
+    result = {"seconds": seconds, "rss_before": before, "peak_rss": status_bytes("VmHWM") if reset else None}
+    (args.workdir / f"save_rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # every rank done before gloo is torn down
+    dist.destroy_process_group()
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """Wait for every process; once one fails, kill the rest, which would otherwise hang in a collective."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
+
+
+def launch_workers(args: argparse.Namespace, workdir: Path) -> None:
+    """Start the workers as torchrun would. Rank 0's stdout passes through; the rest goes to logs, shown on failure."""
+    port = free_port()
+    argv = [*sys.argv[1:], "--workdir", str(workdir)]
+    with ExitStack() as stack:
+        logs: list[IO[str]] = []
+        procs = []
+        for rank in range(args.world_size):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(args.world_size),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+                OMP_NUM_THREADS="1",
+            )
+            logs.append(stack.enter_context(open(workdir / f"rank{rank}.log", "w+")))
+            stdout = None if rank == 0 else logs[rank]
+            procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=logs[rank]))
+        codes = wait_all(procs)
+        for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
+            if code != 0:
+                log.seek(0)
+                print(f"--- rank {rank} exited with {code} ---\n{log.read()[-6000:]}", file=sys.stderr)
+    if any(codes):
+        raise SystemExit(1)
+
+
+@dataclass
+class Measurement:
+    what: str
+    seconds: float
+    peak_rss: int | None  # bytes
+    output_bytes: int | None = None  # size of the file it wrote, read before the file is removed
+
+
+def measure(what: str, command: list[str], output: Path | None = None) -> Measurement:
+    """Run ``command`` in a fresh process; its wall time and its own peak RSS."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's usage alone
+    seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what}: {command} exited with {proc.returncode}")
+    size = output.stat().st_size if output is not None else None
+    return Measurement(what, seconds, usage.ru_maxrss * 1024, size)
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def largest_tensor_bytes(checkpoint: Path) -> int:
+    entries = FileSystemReader(checkpoint).read_metadata().state_dict_metadata.values()
+    return max(e.size.numel() * e.properties.dtype.itemsize for e in entries if isinstance(e, TensorStorageMetadata))
+
+
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def table(rows: list[Measurement], checkpoint: Path) -> list[str]:
+    ckpt, largest = gib(directory_bytes(checkpoint)), gib(largest_tensor_bytes(checkpoint))
+    lines = [
+        "| what | seconds | peak RSS GiB | checkpoint GiB | output GiB | largest tensor GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.what} | {row.seconds:.2f} | {gib(row.peak_rss)} | {ckpt} | {gib(row.output_bytes)} | {largest} |"
+        )
+    return lines
+
+
+def over_baseline(rows: list[Measurement], baseline: Measurement, checkpoint: Path) -> list[str]:
+    """Each consolidation's peak RSS above the import floor, against what it had to hold."""
+    largest = largest_tensor_bytes(checkpoint)
+    lines = []
+    for row in rows:
+        assert row.output_bytes is not None and row.peak_rss is not None and baseline.peak_rss is not None
+        extra, written = row.peak_rss - baseline.peak_rss, row.output_bytes
+        lines.append(
+            f"- {row.what}: peak RSS - import floor = {gib(extra)} GiB; output + largest tensor ="
+            f" {gib(written + largest)} GiB (ratio {extra / (written + largest):.2f})"
+        )
+    return lines
+
+
+def save_lines(results: list[dict[str, float | None]]) -> list[str]:
+    lines = ["Save rows: the process's peak RSS during the save (VmHWM reset just before it), over its RSS then:"]
+    for rank, result in enumerate(results):
+        before, peak = result["rss_before"], result["peak_rss"]
+        grown = "-" if before is None or peak is None else gib(int(peak - before))
+        lines.append(f"- rank {rank}: RSS before save {gib(before)} GiB, peak during save +{grown} GiB")
+    return lines
+
+
+def file_sizes(checkpoint: Path) -> list[str]:
+    """Every file of the checkpoint directory; DCP names rank r's shard file ``__r_0.distcp``."""
+    lines = ["| file | GiB | bytes |", "|---|---|---|"]
+    for file in sorted(checkpoint.iterdir()):
+        lines.append(f"| {file.name} | {gib(file.stat().st_size)} | {file.stat().st_size:,} |")
+    return lines
+
+
+def setup_line(args: argparse.Namespace) -> str:
+    layers = layer_count(args)
+    psi = layers * (args.width * args.width + args.width)
+    return (
+        f"Model: {layers} x nn.Linear({args.width}, {args.width}), Psi = {psi:,} fp32 parameters ({4 * psi / GIB:.2f}"
+        f" GiB), Adam (state 8 Psi = {8 * psi / GIB:.2f} GiB); strategy zero2 on {args.world_size} CPU processes."
+    )
+
+
+# --- the launcher -------------------------------------------------------------------------------------------------
+
+
+def consolidate(what: str, checkpoint: Path, output: Path, *flags: str) -> Measurement:
+    command = [sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags]
+    return measure(what, command, output)
+
+
+def run(args: argparse.Namespace, workdir: Path) -> list[str]:
+    launch_workers(args, workdir)
+    checkpoint = workdir / "checkpoint"
+    results = [json.loads((workdir / f"save_rank{rank}.json").read_text()) for rank in range(args.world_size)]
+    saves = [Measurement(f"save, rank {r}", res["seconds"], res["peak_rss"]) for r, res in enumerate(results)]
+    baseline = measure("floor: `python -c 'import lightning_zero'`", [sys.executable, "-c", "import lightning_zero"])
+    full = consolidate("consolidate (full)", checkpoint, workdir / "full.ckpt")
+    (workdir / "full.ckpt").unlink()  # measured; free the disk before the next one
+    weights = consolidate("consolidate --weights-only", checkpoint, workdir / "weights.ckpt", "--weights-only")
+    (workdir / "weights.ckpt").unlink()
+    return [
+        setup_line(args),
+        "",
+        *table([*saves, baseline, full, weights], checkpoint),
+        "",
+        *over_baseline([full, weights], baseline, checkpoint),
+        "",
+        *save_lines(results),
+        "",
+        *file_sizes(checkpoint),
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_checkpoint_", dir="/tmp") as tmp:
+        print("\n".join(run(args, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
