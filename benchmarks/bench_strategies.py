@@ -1,21 +1,21 @@
 """Steps/s and per-rank model-state memory of "ddp", "zero1" and "zero2" training one model on CPU processes.
 
-Run from anywhere: ``python benchmarks/bench_strategies.py [--steps 30 --rounds 3 ...]``.
+Run with the package installed (``pip install -e .``): ``python benchmarks/bench_strategies.py [--rounds 5 ...]``.
 
 With no ``RANK`` in the environment the script starts ``--world-size`` copies of itself the way torchrun does, so that
-every ``Trainer(devices=N)`` in them joins one gloo group and Lightning never relaunches; under ``torchrun`` it runs
-as a worker directly. Each worker trains the same seeded model under every strategy, interleaved over rounds (the
-order rotates each round) so machine noise hits all strategies alike. Rank 0 prints a markdown table.
+every ``Trainer(devices=N)`` in them joins one gloo group and Lightning never relaunches itself; under ``torchrun`` it
+runs as a worker directly. Every worker trains the same seeded model under every strategy, interleaved over rounds
+(the order rotates each round) so that machine noise hits all strategies alike. Rank 0 prints a markdown table.
 
 Memory is counted by walking tensors, deduplicated by storage, never from RSS:
 
 - parameters: the module's parameters;
 - gradients, right after backward of the last step: ``param.grad`` and, for ZeRO, the shards' gradient storage and
-  stage 1's persistent bucket buffers;
+  the buckets' persistent buffers;
 - optimizer state, after the last step: the local tensors of the optimizer's state.
 
-ZeRO's pooled communication buffers (stage 2's staging buffers, both stages' all-gather buffers) are reported on
-their own. DDP's C++ reducer also keeps flat bucket buffers (another 4 Psi bytes with the default
+ZeRO's pooled communication buffers (stage 2's staging buffers, both stages' all-gather buffers) are kept between
+steps and reported on their own. DDP's C++ reducer keeps flat bucket buffers too (another 4 Psi bytes with the default
 ``gradient_as_bucket_view=False``); Python cannot reach them, so they are not counted.
 """
 
@@ -30,8 +30,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,30 +44,37 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script, this file's folder (not the repo) heads sys.path
+from lightning_zero import Zero1Strategy, Zero2Strategy
 
-from lightning_zero import Zero1Strategy, Zero2Strategy  # noqa: E402
-
-STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy}
 MIB = 2**20
+PHASES = {  # the parts of a training step that Probe times, and what they hold
+    "forward": "forward",
+    "backward": "backward + grad reduction",
+    "step": "optimizer step (+ ZeRO gather)",
+    "between": "data + loop",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps before them")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; steps/s is their median")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of every strategy; steps/s is their median")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the residual MLP")
     parser.add_argument("--layers", type=int, default=7, help="residual blocks of the MLP")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size, for DDP and ZeRO alike")
-    parser.add_argument("--world-size", type=int, default=2, help="processes to start (ignored under torchrun)")
+    parser.add_argument("--world-size", type=int, default=2, help="processes to start (torchrun's count wins)")
     parser.add_argument("--profile", action="store_true", help="after the rounds, profile one run per strategy")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("steps", "warmup", "rounds", "hidden", "layers", "batch_size", "world_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    return args
 
 
-# --- the model --------------------------------------------------------------------------------------------------
+# --- the model ----------------------------------------------------------------------------------------------------
 
 
 class Block(nn.Module):
@@ -79,7 +88,7 @@ class Block(nn.Module):
 
 
 class ResidualMLP(pl.LightningModule):
-    """A classifier of ``layers`` residual blocks, trained with Adam on synthetic data made in-process."""
+    """A classifier of ``layers`` residual blocks, trained with Adam on random data made in-process."""
 
     def __init__(self, hidden: int, layers: int, batch_size: int, num_batches: int, d_in: int = 256) -> None:
         super().__init__()
@@ -103,8 +112,7 @@ class ResidualMLP(pl.LightningModule):
         n = self.batch_size * self.num_batches * self.trainer.world_size
         gen = torch.Generator().manual_seed(1234)
         x = torch.randn(n, self.d_in, generator=gen)
-        data = TensorDataset(x, torch.randint(0, self.classes, (n,), generator=gen))
-        return DataLoader(data, batch_size=self.batch_size)
+        return DataLoader(TensorDataset(x, torch.randint(0, self.classes, (n,), generator=gen)), self.batch_size)
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
@@ -126,34 +134,49 @@ def grad_tensors(strategy: Strategy, module: nn.Module) -> Iterator[torch.Tensor
     if engine is None:  # DDP, or ZeRO on one process
         return
     for sharded in engine.sharded:
-        yield from (g for g in (sharded.shard.grad, sharded.shard_grad) if g is not None)
+        # the persistent storage the reducer hands shard gradients in (`shard_grad`, a DTensor, in older engines)
+        storage = getattr(sharded, "grad_storage", getattr(sharded, "shard_grad", None))
+        yield from (g for g in (sharded.shard.grad, storage) if g is not None)
     for bucket in engine.reducer.buckets:
         yield from (t for t in (bucket.buffer, bucket.shard_grads) if t is not None)
 
 
 def optimizer_state_tensors(strategy: Strategy) -> Iterator[torch.Tensor]:
     for optimizer in strategy.optimizers:
-        for state in optimizer.state.values():  # ZeroOptimizer.state is the wrapped optimizer's, keyed by shards
+        for state in optimizer.state.values():  # a ZeroOptimizer's is the wrapped optimizer's, keyed by shards
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 class Probe(Callback):
-    """Stamps the end of every training batch and measures model-state memory at the last step."""
+    """Stamps the phases of every training step and measures model-state memory at the last step."""
 
     def __init__(self, total_steps: int) -> None:
         self.total_steps = total_steps
-        self.stamps: list[float] = []
+        self.marks: list[dict[str, float]] = []  # per step: perf_counter() at its hooks
         self.memory: dict[str, int] = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.stamps.append(time.perf_counter())
+    def _mark(self, hook: str) -> None:
+        self.marks[-1][hook] = time.perf_counter()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.marks.append({})
+        self._mark("start")
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._mark("backward")
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._mark("step")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._mark("end")
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == self.total_steps - 1:  # backward (and its reduction) just finished
+        if trainer.global_step == self.total_steps - 1:  # backward, and its reduction, just finished
             self.memory["grads"] = storage_bytes(grad_tensors(trainer.strategy, module))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        # still inside fit: teardown would drop the engine and its buffer pool
+        # still inside fit: the strategy's teardown drops the engine and its buffer pool
         self.memory["params"] = storage_bytes(module.parameters())
         self.memory["optimizer"] = storage_bytes(optimizer_state_tensors(trainer.strategy))
         engine = getattr(trainer.strategy, "_engine", None)
@@ -161,58 +184,21 @@ class Probe(Callback):
 
     def steps_per_second(self, warmup: int) -> float:
         """Over the steps after ``warmup``: from the end of the last warm-up step to the end of the last step."""
-        return (len(self.stamps) - warmup) / (self.stamps[-1] - self.stamps[warmup - 1])
+        return (len(self.marks) - warmup) / (self.marks[-1]["end"] - self.marks[warmup - 1]["end"])
 
-
-# --- one worker ---------------------------------------------------------------------------------------------------
-
-
-def make_strategy(name: str, bucket_cap_mb: float) -> Strategy:
-    match name:
-        case "ddp":
-            return DDPStrategy(bucket_cap_mb=bucket_cap_mb)
-        case "zero1":
-            return Zero1Strategy(bucket_cap_mb=bucket_cap_mb)
-        case "zero2":
-            return Zero2Strategy(bucket_cap_mb=bucket_cap_mb)
-    raise ValueError(f"unknown strategy {name!r}; HINT: pick one of {STRATEGIES}")
-
-
-def fit(name: str, args: argparse.Namespace, callbacks: list[Callback]) -> ResidualMLP:
-    total = args.warmup + args.steps
-    pl.seed_everything(0, verbose=False)
-    module = ResidualMLP(args.hidden, args.layers, args.batch_size, total)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=args.world_size,
-        strategy=make_strategy(name, args.bucket_cap_mb),
-        max_steps=total,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(module)
-    return module
-
-
-def run_once(name: str, round_index: int, args: argparse.Namespace) -> dict[str, Any]:
-    probe = Probe(args.warmup + args.steps)
-    module = fit(name, args, [probe])
-    return dict(
-        strategy=name,
-        round=round_index,
-        steps_per_s=probe.steps_per_second(args.warmup),
-        num_params=sum(p.numel() for p in module.parameters()),
-        **probe.memory,
-    )
+    def phase_ms(self, warmup: int) -> dict[str, float]:
+        """Median milliseconds of each phase of the steps after ``warmup``."""
+        spans: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        for before, step in pairwise(self.marks[warmup - 1 :]):
+            spans["forward"].append(step["backward"] - step["start"])  # Lightning zeroes gradients in here too
+            spans["backward"].append(step["step"] - step["backward"])
+            spans["step"].append(step["end"] - step["step"])
+            spans["between"].append(step["start"] - before["end"])
+        return {phase: 1e3 * statistics.median(times) for phase, times in spans.items()}
 
 
 class Profile(Callback):
-    """Profiles the timed steps of one run and prints the ops that took the most time on rank 0."""
+    """Profiles the steps after the warm-up; ``table`` lists the ops that took the most time."""
 
     def __init__(self, warmup: int, steps: int) -> None:
         schedule = torch.profiler.schedule(wait=warmup - 1, warmup=1, active=steps)
@@ -228,62 +214,126 @@ class Profile(Callback):
         self.profiler.stop()
 
     def table(self) -> str:
-        return self.profiler.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+        return self.profiler.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60)
+
+
+# --- one worker ---------------------------------------------------------------------------------------------------
+
+
+def fit(name: str, args: argparse.Namespace, callbacks: list[Callback]) -> ResidualMLP:
+    total = args.warmup + args.steps
+    pl.seed_everything(0, verbose=False)
+    module = ResidualMLP(args.hidden, args.layers, args.batch_size, total)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.world_size,
+        strategy=STRATEGIES[name](bucket_cap_mb=args.bucket_cap_mb),  # DDPStrategy hands it on to DDP
+        max_steps=total,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module)
+    return module
+
+
+def measure(name: str, round_index: int, args: argparse.Namespace) -> dict[str, Any]:
+    probe = Probe(args.warmup + args.steps)
+    module = fit(name, args, [probe])
+    return dict(
+        strategy=name,
+        round=round_index,
+        steps_per_s=probe.steps_per_second(args.warmup),
+        phase_ms=probe.phase_ms(args.warmup),
+        num_params=sum(p.numel() for p in module.parameters()),
+        **probe.memory,
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
     args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
+    names = list(STRATEGIES)
     results = []
     for round_index in range(args.rounds):
-        shift = round_index % len(STRATEGIES)
-        for name in STRATEGIES[shift:] + STRATEGIES[:shift]:
-            results.append(run_once(name, round_index, args))
-    everyone: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
+        shift = round_index % len(names)
+        results += [measure(name, round_index, args) for name in names[shift:] + names[:shift]]
+    everyone: list[list[dict[str, Any]]] = [[] for _ in range(args.world_size)]
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
         print(report(everyone, args), flush=True)
     if args.profile:
-        for name in STRATEGIES:
+        for name in names:
             profile = Profile(args.warmup, args.steps)
             fit(name, args, [profile])
             if dist.get_rank() == 0:
                 print(f"\n### profile of {name}, rank 0, {args.steps} steps\n\n{profile.table()}", flush=True)
+    # every rank done before gloo is torn down: a process exiting with it alive, or while a peer still talks, can abort
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # --- the report ---------------------------------------------------------------------------------------------------
 
 
+Runs = dict[tuple[str, int], list[dict[str, Any]]]  # (strategy, round) -> every rank's result
+
+
 def report(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> str:
-    """A markdown table: steps/s is the median over rounds of the slowest rank; its ratio to DDP is the median of
-    the same-round ratios (pairing cancels noise that drifts between rounds); memory is the largest rank's."""
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    runs: Runs = {}
     for rank_results in everyone:
         for result in rank_results:
             runs.setdefault((result["strategy"], result["round"]), []).append(result)
+    psi, n = everyone[0][0]["num_params"], len(everyone)
+    return "\n".join([*summary_table(runs, args.rounds), "", *phase_table(runs), "", *setup_lines(psi, n, args)])
+
+
+def summary_table(runs: Runs, rounds: int) -> list[str]:
+    """Steps/s is the median over rounds of the slowest rank; its ratio to DDP is the median of the same-round
+    ratios (pairing cancels noise that drifts between rounds); memory is the largest rank's, in the last round."""
     speed = {key: min(r["steps_per_s"] for r in ranks) for key, ranks in runs.items()}
-    rounds = range(args.rounds)
     lines = [
         "| strategy | steps/s (median) | steps/s (min-max) | ratio to ddp | params MiB/rank | grads MiB/rank"
         " | optimizer state MiB/rank | ZeRO comm pool MiB/rank |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in STRATEGIES:
-        speeds = [speed[name, r] for r in rounds]
-        ratio = statistics.median(speed[name, r] / speed["ddp", r] for r in rounds)
-        last = runs[name, args.rounds - 1]
-        mem = {k: max(r[k] for r in last) / MIB for k in ("params", "grads", "optimizer", "pool")}
+        speeds = [speed[name, r] for r in range(rounds)]
+        ratio = statistics.median(speed[name, r] / speed["ddp", r] for r in range(rounds))
+        mem = {k: max(r[k] for r in runs[name, rounds - 1]) / MIB for k in ("params", "grads", "optimizer", "pool")}
         lines.append(
             f"| {name} | {statistics.median(speeds):.2f} | {min(speeds):.2f}-{max(speeds):.2f} | {ratio:.3f}"
             f" | {mem['params']:.1f} | {mem['grads']:.1f} | {mem['optimizer']:.1f} | {mem['pool']:.1f} |"
         )
-    psi, n = everyone[0][0]["num_params"], len(everyone)
-    lines += ["", f"Model: residual MLP, Psi = {psi:,} parameters (fp32, Adam); world size N = {n};"
-              f" batch size {args.batch_size} per rank; {args.rounds} rounds of {args.warmup} warm-up"
-              f" + {args.steps} timed steps; bucket cap {args.bucket_cap_mb:g} MiB.",
-              f"Expected per rank: params 4 Psi = {4 * psi / MIB:.1f} MiB; grads 4 Psi = {4 * psi / MIB:.1f} MiB"
-              f" (ddp, zero1) vs 4 Psi/N = {4 * psi / n / MIB:.1f} MiB (zero2); Adam state 8 Psi ="
-              f" {8 * psi / MIB:.1f} MiB (ddp) vs 8 Psi/N = {8 * psi / n / MIB:.1f} MiB (zero1, zero2)."]
-    return "\n".join(lines)
+    return lines
+
+
+def phase_table(runs: Runs) -> list[str]:
+    """Milliseconds per step in each phase: the median over every rank and round of each run's median."""
+    lines = [
+        f"| ms/step | {' | '.join(PHASES.values())} | sum |",
+        f"|---|{'---|' * (len(PHASES) + 1)}",
+    ]
+    for name in STRATEGIES:
+        results = [r for (strategy, _), ranks in runs.items() if strategy == name for r in ranks]
+        ms = [statistics.median(r["phase_ms"][phase] for r in results) for phase in PHASES]
+        lines.append(f"| {name} | {' | '.join(f'{t:.1f}' for t in ms)} | {sum(ms):.1f} |")
+    return lines
+
+
+def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:
+    mib = {k: k * psi / MIB for k in (4, 8)}
+    return [
+        f"Model: residual MLP ({args.layers} blocks of width {args.hidden}), Psi = {psi:,} fp32 parameters, Adam;"
+        f" world size N = {n}; batch size {args.batch_size} per rank; {args.rounds} rounds of {args.warmup} warm-up"
+        f" + {args.steps} timed steps; bucket cap {args.bucket_cap_mb:g} MiB.",
+        f"Expected per rank: params 4 Psi = {mib[4]:.1f} MiB; grads 4 Psi = {mib[4]:.1f} MiB (ddp, zero1) vs"
+        f" 4 Psi/N = {mib[4] / n:.1f} MiB (zero2); Adam state 8 Psi = {mib[8]:.1f} MiB (ddp) vs 8 Psi/N ="
+        f" {mib[8] / n:.1f} MiB (zero1, zero2).",
+    ]
 
 
 # --- the launcher -------------------------------------------------------------------------------------------------
@@ -295,25 +345,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """Wait for every process; once one fails, kill the rest, which would otherwise hang in a collective."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
+
+
 def launch(world_size: int, argv: list[str]) -> int:
-    """Start ``world_size`` workers as torchrun would; rank 0's stdout (the report) passes through, everything
-    else goes to log files, shown if a worker fails."""
-    port, procs = free_port(), []
-    with tempfile.TemporaryDirectory() as logs:
+    """Start ``world_size`` workers as torchrun would. Rank 0's stdout (the report) passes through; everything else
+    goes to log files, shown if a worker fails."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        logs: list[IO[str]] = []
+        procs = []
         for rank in range(world_size):
             env = dict(
-                os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(world_size),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+                OMP_NUM_THREADS="1",
             )
-            log = open(Path(logs) / f"rank{rank}.log", "w")  # noqa: SIM115  (closed when the worker ends)
-            stdout = None if rank == 0 else log
-            procs.append((subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=log), log))
-        codes = [proc.wait() for proc, _ in procs]
-        for rank, ((_, log), code) in enumerate(zip(procs, codes, strict=True)):
-            log.close()
+            logs.append(stack.enter_context(open(Path(tmp) / f"rank{rank}.log", "w+")))
+            stdout = None if rank == 0 else logs[rank]
+            procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=logs[rank]))
+        codes = wait_all(procs)
+        for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
             if code != 0:
-                print(f"--- rank {rank} exited with {code} ---\n{Path(log.name).read_text()[-6000:]}", file=sys.stderr)
-    return max(codes)
+                log.seek(0)
+                print(f"--- rank {rank} exited with {code} ---\n{log.read()[-6000:]}", file=sys.stderr)
+    return 1 if any(codes) else 0
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from lightning_zero import _collectives as comm
 from lightning_zero._layout import RankMajorLayout
@@ -39,7 +39,7 @@ class ParamGatherer:
     def gather(self, only: set[int] | None = None) -> None:
         """All-gather the buckets holding a shard whose ``id`` is in ``only`` (every bucket when ``None``)."""
         todo = [b for b in self.buckets if only is None or any(id(s.shard) in only for s in b.params)]
-        in_flight: deque[tuple[GatherBucket, torch.Tensor, torch.Tensor, Work]] = deque()
+        in_flight: deque[tuple[GatherBucket, torch.Tensor, torch.Tensor, comm.Pending]] = deque()
         for bucket in todo:
             if len(in_flight) == _IN_FLIGHT:
                 self._unpack(*in_flight.popleft())
@@ -47,7 +47,7 @@ class ParamGatherer:
         while in_flight:
             self._unpack(*in_flight.popleft())
 
-    def _launch(self, bucket: GatherBucket) -> tuple[GatherBucket, torch.Tensor, torch.Tensor, Work]:
+    def _launch(self, bucket: GatherBucket) -> tuple[GatherBucket, torch.Tensor, torch.Tensor, comm.Pending]:
         layout = bucket.layout
         chunk = self.pool.acquire(layout.chunk_numel, bucket.dtype, bucket.device)
         torch._foreach_copy_(
@@ -57,7 +57,7 @@ class ParamGatherer:
         gathered = self.pool.acquire(layout.numel, bucket.dtype, bucket.device)
         return bucket, chunk, gathered, comm.all_gather(gathered, chunk, self.group)
 
-    def _unpack(self, bucket: GatherBucket, chunk: torch.Tensor, gathered: torch.Tensor, work: Work) -> None:
+    def _unpack(self, bucket: GatherBucket, chunk: torch.Tensor, gathered: torch.Tensor, work: comm.Pending) -> None:
         work.wait()
         layout = bucket.layout
         chunks = layout.chunks(gathered)

@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 from torch.autograd import Variable
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
@@ -61,7 +61,7 @@ class Bucket:
         self.state = BucketState.IDLE
         self.staged = [False] * len(params)
         self.num_staged = 0
-        self.work: Work | None = None
+        self.work: comm.Pending | None = None
         self.buffer: torch.Tensor | None = None  # the collective's input while the bucket is filling or reducing
         self.output: torch.Tensor | None = None  # where the reduced values land
         # Set by the policy's ``_build``:
