@@ -1,4 +1,4 @@
-"""Steps/s and per-rank model-state memory of "ddp", "zero1" and "zero2" training one model on CPU processes.
+"""Steps/s and per-rank model-state memory of "ddp", "zero1", "zero2" and "zero3" training one model on CPU processes.
 
 Run with the package installed (``pip install -e .``): ``python benchmarks/bench_strategies.py [--rounds 5 ...]``.
 
@@ -9,14 +9,16 @@ runs as a worker directly. Every worker trains the same seeded model under every
 
 Memory is counted by walking tensors, deduplicated by storage, never from RSS:
 
-- parameters: the module's parameters;
+- parameters: the module's parameters (after the last step, so stage 3's are its shards);
 - gradients, right after backward of the last step: ``param.grad`` and, for ZeRO, the shards' gradient storage and
   the buckets' persistent buffers;
 - optimizer state, after the last step: the local tensors of the optimizer's state.
 
 ZeRO's pooled communication buffers (stage 2's staging buffers, both stages' all-gather buffers) are kept between
 steps and reported on their own. DDP's C++ reducer keeps flat bucket buffers too (another 4 Psi bytes with the default
-``gradient_as_bucket_view=False``); Python cannot reach them, so they are not counted.
+``gradient_as_bucket_view=False``); Python cannot reach them, so they are not counted. Stage 3 (``fully_shard``) frees
+its all-gather and reduce-scatter buffers within each step, so it keeps no pool between steps; the default wrap policy
+makes each residual block a unit, gathered only around its forward and backward.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import Zero1Strategy, Zero2Strategy
+from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy}
+STRATEGIES: dict[str, type[Strategy]] = {
+    "ddp": DDPStrategy,
+    "zero1": Zero1Strategy,
+    "zero2": Zero2Strategy,
+    "zero3": Zero3Strategy,
+}
 MIB = 2**20
 PHASES = {  # the parts of a training step that Probe times, and what they hold
     "forward": "forward",
     "backward": "backward + grad reduction",
-    "step": "optimizer step (+ ZeRO gather)",
+    "step": "optimizer step (+ stage 1/2 gather)",
     "between": "data + loop",
 }
 
@@ -330,9 +337,10 @@ def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:
         f"Model: residual MLP ({args.layers} blocks of width {args.hidden}), Psi = {psi:,} fp32 parameters, Adam;"
         f" world size N = {n}; batch size {args.batch_size} per rank; {args.rounds} rounds of {args.warmup} warm-up"
         f" + {args.steps} timed steps; bucket cap {args.bucket_cap_mb:g} MiB.",
-        f"Expected per rank: params 4 Psi = {mib[4]:.1f} MiB; grads 4 Psi = {mib[4]:.1f} MiB (ddp, zero1) vs"
-        f" 4 Psi/N = {mib[4] / n:.1f} MiB (zero2); Adam state 8 Psi = {mib[8]:.1f} MiB (ddp) vs 8 Psi/N ="
-        f" {mib[8] / n:.1f} MiB (zero1, zero2).",
+        f"Expected per rank: params 4 Psi = {mib[4]:.1f} MiB (ddp, zero1, zero2) vs 4 Psi/N = {mib[4] / n:.1f} MiB"
+        f" (zero3); grads 4 Psi = {mib[4]:.1f} MiB (ddp, zero1) vs 4 Psi/N = {mib[4] / n:.1f} MiB (zero2, zero3);"
+        f" Adam state 8 Psi = {mib[8]:.1f} MiB (ddp) vs 8 Psi/N = {mib[8] / n:.1f} MiB (zero1, zero2, zero3);"
+        " stage 3 pads each parameter's shard to whole rows.",
     ]
 
 

@@ -1,16 +1,24 @@
 """ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies.
 
-``import lightning_zero`` registers the strategy names ``"zero1"`` and ``"zero2"``, so ``Trainer(strategy="zero2")``
-works; the classes can also be passed directly or named as ``class_path`` in a LightningCLI config.
+``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"`` and ``"zero3"``, so
+``Trainer(strategy="zero3")`` works; the classes can also be passed directly or named as ``class_path`` in a
+LightningCLI config.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero._distributed_checkpoint import CheckpointError
 from lightning_zero.consolidate import consolidate_checkpoint
-from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, ZeroStrategy
+from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
 
-__all__ = ["CheckpointError", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy", "consolidate_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "Zero1Strategy",
+    "Zero2Strategy",
+    "Zero3Strategy",
+    "ZeroStrategy",
+    "consolidate_checkpoint",
+]
 __version__ = "0.1.0"
 
 ZeroStrategy.register_strategies(StrategyRegistry)

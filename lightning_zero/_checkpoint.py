@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_zero import _distributed_checkpoint as ckpt
@@ -172,3 +173,22 @@ def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, An
     clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
     optimizer.load_state_dict({**clean, "state": state})
 
+
+def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Stage 3: load a ``state_dict`` of whole tensors into an optimizer over ``fully_shard``'s DTensor parameters;
+    each parameter-shaped entry becomes a DTensor laid out like its parameter (this rank's rows, no communication)."""
+    params = _optimizer_tensors(optimizer)
+    recorded: dict[int, list[str]] | None = state_dict.get(SHARDED_KEYS)
+    state = {}
+    for index, param_state in state_dict["state"].items():
+        param = params[index]
+        converted = dict(param_state)
+        if isinstance(param, DTensor):
+            for key, value in param_state.items():
+                if key in recorded.get(index, ()) if recorded is not None else _was_sharded(key, value, param.shape):
+                    converted[key] = distribute_tensor(
+                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                    )
+        state[index] = converted
+    clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
+    optimizer.load_state_dict({**clean, "state": state})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+
+from lightning_zero._wrap import ModulePolicy, RepeatedEntries, resolve_policy
 
 
 class Stage(IntEnum):
@@ -11,23 +13,40 @@ class Stage(IntEnum):
 
     OPTIMIZER = 1  # optimizer state
     GRADIENTS = 2  # optimizer state and gradients
+    PARAMETERS = 3  # optimizer state, gradients and parameters (torch's ``fully_shard``)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     stage: Stage
-    """1 shards optimizer state; 2 also gradients."""
+    """1 shards optimizer state; 2 also gradients; 3 also parameters."""
 
     bucket_cap_mb: float = 25.0
-    """Size of the buckets in which gradients are reduced and parameters gathered, in MiB. Larger buckets mean fewer
-    collective calls; smaller ones start communication earlier in backward and bound stage 2's staging memory."""
+    """Size of the buckets in which gradients are reduced and parameters gathered, in MiB (stages 1 and 2). Larger
+    buckets mean fewer collective calls; smaller ones start communication earlier in backward and bound stage 2's
+    staging memory."""
 
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics) from rank 0 before each synchronised training step, as DDP
     does by default, so every rank trains on the same buffer values."""
 
+    auto_wrap_policy: ModulePolicy = field(default_factory=RepeatedEntries)
+    """Stage 3: which submodules become units of their own, all-gathered just before their forward and freed after
+    it (and again in backward); everything else lives in the root unit, gathered for the whole step."""
+
+    activation_checkpointing: ModulePolicy | None = None
+    """Which submodules recompute their activations in backward instead of keeping them (any stage)."""
+
     @classmethod
-    def from_options(cls, *, stage: object, bucket_cap_mb: object, broadcast_buffers: object) -> ZeroConfig:
+    def from_options(
+        cls,
+        *,
+        stage: object,
+        bucket_cap_mb: object,
+        broadcast_buffers: object,
+        auto_wrap_policy: object = None,
+        activation_checkpointing: object = None,
+    ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
             raise ValueError(
@@ -40,7 +59,26 @@ class ZeroConfig:
             )
         if not isinstance(broadcast_buffers, bool):
             raise ValueError(f"`broadcast_buffers={broadcast_buffers!r}` must be True or False.")
-        return cls(stage=Stage(stage), bucket_cap_mb=float(bucket_cap_mb), broadcast_buffers=broadcast_buffers)
+        if auto_wrap_policy is not None and stage != Stage.PARAMETERS:
+            raise ValueError(
+                f"`auto_wrap_policy` shapes the units of stage 3; stage {stage} keeps full parameters."
+                " HINT: use `Zero3Strategy` (or `stage=3`), or drop `auto_wrap_policy`."
+            )
+        wrap = resolve_policy("auto_wrap_policy", auto_wrap_policy)
+        match activation_checkpointing:
+            case None | False:
+                checkpointing = None
+            case True:
+                checkpointing = wrap  # the modules the wrap policy picks (the repeated entries in stages 1 and 2)
+            case _:
+                checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
+        return cls(
+            stage=Stage(stage),
+            bucket_cap_mb=float(bucket_cap_mb),
+            broadcast_buffers=broadcast_buffers,
+            auto_wrap_policy=wrap,
+            activation_checkpointing=checkpointing,
+        )
 
     @property
     def bucket_bytes(self) -> int:

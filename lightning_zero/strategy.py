@@ -1,10 +1,11 @@
-"""The Lightning strategies: they coordinate setup and hooks, and delegate the ZeRO work to the engine."""
+"""The Lightning strategies: they coordinate setup and hooks, and delegate the ZeRO work to the engine (stages 1
+and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3`)."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -31,17 +33,23 @@ from lightning_zero import _collectives as comm
 from lightning_zero._checkpoint import (
     load_directory,
     load_full_optimizer_state,
+    load_full_optimizer_state_into_dtensors,
     named_optimizer_state,
     save_directory,
     sharded_model_state,
 )
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._engine import EngineState, ZeroEngine
+from lightning_zero._meta_init import MetaInit, materialize
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
+from lightning_zero._stage3 import ShardedModule, check_even_batches, check_plain_loss
+from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights
+ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
 
 
 def _reducer_for(stage: Stage) -> type[GradientReducer]:
@@ -56,12 +64,21 @@ class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism for any LightningModule, with no change to its code.
 
     Stage 1 shards optimizer state across ranks; stage 2 also shards gradients. Outside the optimizer step every
-    rank holds full, current parameters, as under DDP. On a single device it trains plainly, with no collectives.
+    rank holds full, current parameters, as under DDP. Stage 3 also shards the parameters (torch's ``fully_shard``):
+    every rank holds only its rows of each, and a unit's parameters are gathered just for its forward and backward.
+    On a single device every stage trains plainly, with no collectives.
 
     Args:
-        stage: 1 or 2. ``Zero1Strategy`` and ``Zero2Strategy`` fix it.
-        bucket_cap_mb: size in MiB of the buckets gradients are reduced and parameters gathered in.
+        stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
+        bucket_cap_mb: size in MiB of the buckets gradients are reduced and parameters gathered in (stages 1, 2).
         broadcast_buffers: broadcast buffers from rank 0 before each synchronised training step, as DDP does.
+        auto_wrap_policy: stage 3, which submodules become units: by default the entries of an ``nn.ModuleList`` or
+            ``nn.Sequential`` whose class repeats; or a set of module classes (or import paths), an int parameter
+            count (a submodule holding at least that many parameters outside smaller units), or a callable
+            ``(module, qualified_name) -> bool``. Everything else stays in the LightningModule's root unit.
+        activation_checkpointing: any stage, which submodules recompute their activations in backward (non-reentrant
+            checkpointing): module classes, import paths, a parameter count or a callable as above, or ``True`` for
+            the modules the wrap policy picks.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -74,6 +91,8 @@ class ZeroStrategy(DDPStrategy):
         *,
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
+        auto_wrap_policy: ModuleOption = None,
+        activation_checkpointing: bool | ModuleOption = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -87,7 +106,8 @@ class ZeroStrategy(DDPStrategy):
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
-                " `bucket_cap_mb` and `broadcast_buffers`; the rest are those of Lightning's `DDPStrategy`."
+                " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy` and `activation_checkpointing`; the rest are"
+                " those of Lightning's `DDPStrategy`."
             )
         if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
             raise ValueError(
@@ -98,6 +118,8 @@ class ZeroStrategy(DDPStrategy):
             stage=self.default_stage if stage is None else stage,
             bucket_cap_mb=bucket_cap_mb,
             broadcast_buffers=broadcast_buffers,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
         )
         super().__init__(
             accelerator=accelerator,
@@ -110,6 +132,8 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._engine: ZeroEngine | None = None
+        self._sharded: ShardedModule | None = None  # stage 3 on more than one rank
+        self._meta_init = MetaInit()
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
 
     @property
@@ -148,14 +172,40 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if self.world_size > 1:
-            _sync_module_states(self.model)  # every rank starts from rank 0's weights, as under DDP
+        if self.config.activation_checkpointing is not None:
+            apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
+        match self.stage:
+            case Stage.PARAMETERS if self.world_size > 1:
+                self._shard_parameters()
+            case _:
+                self.model_to_device()
+                if self.world_size > 1:
+                    _sync_module_states(self.model)  # every rank starts from rank 0's weights, as under DDP
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_parameters(self) -> None:
+        """Stage 3, before ``configure_optimizers``: checkpointing is applied; now ``fully_shard`` the units and the
+        LightningModule, then give parameters created on the meta device their values, shard by shard."""
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        existing = ShardedModule.of(module)
+        if existing is not None:  # a later `fit`, `validate`, `test` or `predict` of the module, by any Trainer
+            self._sharded = existing
+            existing.reshard()
+            return
+        resets = self._meta_init.plan(module)
+        meta = {name for name, p in module.named_parameters() if p.is_meta}
+        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
+        _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
+        units = choose_units(module, self.config.auto_wrap_policy)
+        self._sharded = ShardedModule(module, mesh, units, self.root_device)
+        materialize(module, resets, self.root_device, self._sharded.group)
+        self._buffers_due = True
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -163,8 +213,8 @@ class ZeroStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             _check_optimizer(optimizer)
         self._remove_engine()
-        if self.world_size == 1:
-            return
+        if self.world_size == 1 or self.stage is Stage.PARAMETERS:
+            return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         self._engine = ZeroEngine(self.lightning_module, _reducer_for(self.stage), mesh, self.config.bucket_bytes)
@@ -175,7 +225,12 @@ class ZeroStrategy(DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Micro-batches before the last of an accumulation window: stage 1 accumulates locally; stage 2 keeps
-        reducing each backward into its gradient shards, so full gradients never accumulate."""
+        reducing each backward into its gradient shards, so full gradients never accumulate; stage 3 uses
+        ``fully_shard``'s no-sync: each unit keeps its full gradient until the synchronised backward."""
+        if self._sharded is not None:
+            with self._sharded.gradient_sync_disabled():
+                yield None
+            return
         if self._engine is None:
             yield None
             return
@@ -189,34 +244,105 @@ class ZeroStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._sync_buffers_before_forward()
-        return super().training_step(*args, **kwargs)
+        if self._sharded is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self._sharded.step(self._forward_redirection, "training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._sync_buffers_before_forward()
-        return super().validation_step(*args, **kwargs)
+        if self._sharded is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._sharded.step(self._forward_redirection, "validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._sync_buffers_before_forward()
-        return super().test_step(*args, **kwargs)
+        if self._sharded is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._sharded.step(self._forward_redirection, "test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_buffers_before_forward()
-        return super().predict_step(*args, **kwargs)
+        if self._sharded is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._sharded.step(self._forward_redirection, "predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        if self._sharded is not None:
+            check_plain_loss(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._sharded is not None and self._sharded.gradient_sync:
+            self._sharded.reduce_replicated_grads()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._check_even_batches("validation")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_even_batches("test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_even_batches("predict")
+
+    def _check_even_batches(self, loop: str) -> None:
+        if self._sharded is not None:
+            assert self.lightning_module is not None
+            check_even_batches(self.lightning_module.trainer, loop, self._sharded.group)
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._at_rest()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._at_rest()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._at_rest()
+
+    def _at_rest(self) -> None:
+        """Stage 3: free the root unit's gathered parameters; the module then holds exactly what the optimizer
+        updates (which checkpoints name) and no more."""
+        if self._sharded is not None:
+            self._sharded.reshard()
 
     def _sync_buffers_before_forward(self) -> None:
         """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule:
         so BatchNorm statistics evolve as they would under ``"ddp"``."""
         engine = self._engine
-        if engine is None or engine.state is EngineState.DETACHED or not self.config.broadcast_buffers:
+        if not self.config.broadcast_buffers:
+            return
+        if self._sharded is not None:
+            group, synchronised = self._sharded.group, self._sharded.gradient_sync
+        elif engine is not None and engine.state is EngineState.ATTACHED:
+            group, synchronised = engine.group, engine.reducer.mode is ReduceMode.SYNC
+        else:
             return
         if self._buffers_due:
             assert self.lightning_module is not None
             with torch.no_grad():
-                comm.broadcast_(list(self.lightning_module.buffers()), engine.group)
-        self._buffers_due = torch.is_grad_enabled() and engine.reducer.mode is ReduceMode.SYNC
+                comm.broadcast_(list(self.lightning_module.buffers()), group)
+        self._buffers_due = torch.is_grad_enabled() and synchronised
 
     @property
     @override
@@ -226,6 +352,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self._at_rest()
         return sharded_model_state(self.lightning_module, self._engine)
 
     @override
@@ -233,6 +360,7 @@ class ZeroStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
+        self._at_rest()
         return named_optimizer_state(optimizer, self.lightning_module)
 
     @override
@@ -267,11 +395,16 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
+        self._at_rest()
         return load_directory(path, self.lightning_module, self._engine, optimizers)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint:  # absent when a checkpoint directory was loaded in place
+        if "state_dict" not in checkpoint:  # absent when a checkpoint directory was loaded in place
+            return
+        if self._sharded is not None:  # an ordinary file: each rank keeps its rows of every whole tensor
+            self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
@@ -282,15 +415,42 @@ class ZeroStrategy(DDPStrategy):
         for optimizer, state in zip(self.optimizers, states, strict=True):
             if isinstance(optimizer, ZeroOptimizer):
                 load_full_optimizer_state(optimizer, state)
+            elif self._sharded is not None:
+                load_full_optimizer_state_into_dtensors(optimizer, state)
             else:
                 optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta
+        device, and get their values after sharding (see :mod:`lightning_zero._meta_init`), unless
+        ``empty_init=False`` asks for eager initialization."""
+        with super().tensor_init_context(empty_init), self._parameters_on_meta(empty_init is not False):
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: stage 3 creates parameters on the meta device (see ``tensor_init_context``)."""
+        with super().model_sharded_context(), self._parameters_on_meta(True):
+            yield
+
+    def _parameters_on_meta(self, enabled: bool) -> AbstractContextManager[None]:
+        if enabled and self.stage is Stage.PARAMETERS and self.num_nodes * self.num_processes > 1:
+            return self._meta_init()
+        return nullcontext()
 
     @override
     def teardown(self) -> None:
         # Detached, not dropped: a checkpoint saved after `fit` still writes each rank's shards only.
         if self._engine is not None:
             self._engine.detach()
+        if self._sharded is not None:
+            # Stage 3 keeps SyncBatchNorm after `fit`: `fully_shard` manages those layers' parameters, and swapping
+            # the layers back to BatchNorm would leave the parameters on modules it no longer sees.
+            self._layer_sync = None
         super().teardown()
 
     def _remove_engine(self) -> None:
@@ -301,7 +461,7 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for strategy in (Zero1Strategy, Zero2Strategy):
+        for strategy in (Zero1Strategy, Zero2Strategy, Zero3Strategy):
             stage = int(strategy.default_stage)
             strategy_registry.register(
                 f"zero{stage}",
@@ -321,6 +481,12 @@ class Zero2Strategy(ZeroStrategy):
     """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced."""
 
     default_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
+
+    default_stage = Stage.PARAMETERS
 
 
 def _check_optimizer(optimizer: object) -> None:

@@ -32,7 +32,11 @@ def test_example_config_trains(config: str, chance_loss: float, max_end_loss: fl
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A process group set up earlier in this pytest process leaves its rendezvous variables behind; the example must
+    # choose its own port, as on a fresh machine.
+    stale = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in stale}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 

@@ -184,8 +184,49 @@ class ManualClassifier(Classifier):
         return torch.optim.Adam(body, lr=1e-2), torch.optim.SGD(head, lr=0.1, momentum=0.5)
 
 
-MODULES = {"classifier": Classifier, "manual": ManualClassifier}
+class OverflowClassifier(Classifier):
+    """Blows up the loss on rank 1 only, at its third training step, so that fp16 gradients overflow there."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.skipped_steps: list[int] = []
+        self.loss_scale_at_start: float | None = None
+        self._before: torch.Tensor | None = None
+
+    def on_train_start(self) -> None:
+        self.loss_scale_at_start = self._scaler().scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self._before = self.mid.weight.detach().clone()
+        if self.calls == 2 and self.global_rank == 1:
+            loss = loss * 1e6  # times the loss scale: beyond fp16's range
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if torch.equal(self.mid.weight, self._before):
+            self.skipped_steps.append(self.calls)
+        self.calls += 1
+
+    def _scaler(self) -> Any:
+        return self.trainer.precision_plugin.zero_loss_scaler
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self._scaler().scale,
+            "loss_scale_at_start": self.loss_scale_at_start,
+        }
+
+
+MODULES = {"classifier": Classifier, "manual": ManualClassifier, "overflow": OverflowClassifier}
 
 
 def count_params(module: nn.Module) -> int:
     return sum(math.prod(p.shape) for p in module.parameters())
+
+
+from tests.workers.modules_zero3 import MODULES_ZERO3  # noqa: E402  (stage-3 test modules)
+
+MODULES.update(MODULES_ZERO3)

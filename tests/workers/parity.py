@@ -82,6 +82,8 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
         "model_state": measure(module, trainer.optimizers, getattr(trainer.strategy, "_engine", None)),
     }
+    if hasattr(module, "report"):
+        result.update(module.report())
     for fn in scenario.get("after_fit", []):
         if fn == "predict":
             preds = trainer.predict(module)

@@ -1,0 +1,391 @@
+"""Stage 3 against DDP: the same seeded LightningModules, written for DDP, trained on 2 and 3 CPU processes under
+``"zero3"`` (and variants with other wrap policies and activation checkpointing) must end with the same parameters,
+buffers, optimizer state, losses and metrics, with the tolerances (and their rationale) of tests/test_parity.py.
+Stage 3 keeps each parameter as a ``Shard(0)`` DTensor, so the test reassembles every parameter from the shards of
+all ranks, which also checks how they were split. Memory is measured by walking tensors, never from RSS.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_zero import Zero2Strategy, Zero3Strategy, ZeroStrategy
+from lightning_zero._wrap import (
+    CheckpointedForward,
+    MinParams,
+    ModuleClasses,
+    RepeatedEntries,
+    apply_activation_checkpointing,
+    choose_units,
+    resolve_policy,
+)
+from tests.launch import run_scenarios
+from tests.test_parity import ATOL, RTOL, close, compare_optimizer_states
+from tests.workers.modules_zero3 import Block, TiedLM
+
+UNUSED_OK = "ddp_find_unused_parameters_true"
+VARIANTS = ["zero3", "zero3_linear_units", "zero3_min_params", "zero3_callable", "zero3_checkpointed"]
+MEMORY = {"width": 64, "depth": 6, "probe_memory": True}
+
+
+def scenario(name: str, module: str = "classifier", strategies: list[str] | None = None, **fields: Any) -> dict:
+    return {"name": name, "module": module, "strategies": strategies or ["ddp", "zero3"], **fields}
+
+
+SCENARIOS = [
+    # ties, units called twice, frozen and trainable in one unit, penalties read outside forward, evaluation
+    scenario(
+        "tied_lm",
+        "tied_lm",
+        ["ddp", *VARIANTS, "zero1_checkpointed", "zero2_checkpointed"],
+        limit_val_batches=2,
+        trainer_kwargs={"val_check_interval": 3},
+        after_fit=["validate", "test", "predict"],
+    ),
+    # a global norm over the shards of several units, gradients kept per unit across micro-batches (no-sync)
+    scenario(
+        "tied_lm_clip_accumulate",
+        "tied_lm",
+        trainer_kwargs={"gradient_clip_val": 0.5, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2},
+        max_steps=3,
+    ),
+    # everything in the root unit: a 0-dim parameter (replicated), a parameter with fewer rows than ranks
+    scenario("adam"),
+    scenario("sgd_scheduler", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
+    scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
+    scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
+    scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
+    scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+    scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    scenario("frozen", module_kwargs={"freeze_first": True}),
+    scenario("unused_every_other_step", strategies=[UNUSED_OK, "zero3"], module_kwargs={"unused_branch": True}),
+    scenario(
+        "batchnorm_eval",
+        module_kwargs={"batch_norm": True},
+        limit_val_batches=2,
+        trainer_kwargs={"val_check_interval": 3},
+        after_fit=["validate", "test", "predict"],
+    ),
+    scenario("manual_one", "manual"),
+    scenario("manual_two_optimizers", "manual", [UNUSED_OK, "zero3"], module_kwargs={"two_optimizers": True}),
+    # checkpoints: saved at step 4, resumed in a fresh Trainer and module, compared with the same under DDP
+    scenario("resume", "tied_lm", module_kwargs={"scheduler": True}, resume_at=4, max_steps=6),
+    scenario("resume_from_ddp_file", "tied_lm", resume_at=4, max_steps=6, save_with="ddp"),
+    scenario("resume_from_zero2_dir", "tied_lm", ["zero2", "zero3"], resume_at=4, max_steps=6, save_with="zero2"),
+    # layers built in configure_model: created on the meta device, materialised shard by shard
+    scenario("configure_model", "tied_lm", module_kwargs={"build_in_configure_model": True}),
+    scenario("memory", "tied_lm", module_kwargs=MEMORY, max_steps=2),
+]
+NAMES = [s["name"] for s in SCENARIOS]
+PAIRS = [(s["name"], strategy) for s in SCENARIOS for strategy in s["strategies"][1:]]
+MEASURED = ("_bytes", "block_forward_calls")  # callback metrics compared by the memory and checkpointing tests
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}procs")
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    return run_scenarios([dict(s) for s in SCENARIOS], request.param, tmp_path_factory.mktemp("zero3"))
+
+
+def whole(results: list[dict[Any, Any]], run: tuple[str, str], key: str, rank: int) -> torch.Tensor:
+    """``key`` of the run's state dict as a whole tensor: DTensor shards of all ranks put back together."""
+    values = [per_rank[run]["state_dict"][key] for per_rank in results]
+    if not isinstance(values[rank], DTensor):
+        return values[rank]
+    chunks = torch.chunk(torch.empty(values[0].shape), len(results))
+    for value, chunk in zip(values, [*chunks, *([torch.empty(0)] * (len(results) - len(chunks)))], strict=True):
+        assert value.placements[0].is_shard(0) and value.to_local().shape[0] == chunk.shape[0], f"{run} {key}"
+    return torch.cat([v.to_local() for v in values])
+
+
+@pytest.mark.parametrize(("name", "strategy"), PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
+def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: str) -> None:
+    spec = next(s for s in SCENARIOS if s["name"] == name)
+    reference = spec["strategies"][0]
+    for rank, per_rank in enumerate(results):
+        expected, actual = per_rank[(name, reference)], per_rank[(name, strategy)]
+        what = f"{name}/{strategy}/rank{rank}"
+        assert len(actual["losses"]) == len(expected["losses"]) > 0
+        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses")
+        assert actual["state_dict"].keys() == expected["state_dict"].keys()
+        for key, value in expected["state_dict"].items():
+            close(whole(results, (name, strategy), key, rank), value, f"{what} {key}")
+        assert len(actual["optimizers"]) == len(expected["optimizers"])
+        for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"], strict=True)):
+            compare_optimizer_states(got, want, f"{what} optimizer{i}")
+        assert actual["lrs"] == expected["lrs"]
+        metrics = {k: v for k, v in expected["callback_metrics"].items() if not k.endswith(MEASURED)}
+        for key, value in metrics.items():
+            assert actual["callback_metrics"][key] == pytest.approx(value, rel=RTOL, abs=ATOL), f"{what} {key}"
+        for fn in spec.get("after_fit", []):
+            if fn == "predict":
+                close(actual["predict"], expected["predict"], f"{what} predict")
+            else:  # one dict of logged metrics per dataloader (`approx` does not reach into a list of dicts)
+                assert len(actual[fn]) == len(expected[fn])
+                for got, want in zip(actual[fn], expected[fn], strict=True):
+                    assert got == pytest.approx(want, rel=RTOL, abs=ATOL), f"{what} {fn}"
+
+
+def test_training_moved_the_weights(results: list[dict[Any, Any]]) -> None:
+    """Guards the oracle: the reassembled weights really changed, so matching DDP means something."""
+    torch.manual_seed(0)
+    initial = TiedLM().state_dict()
+    final = whole(results, ("tied_lm", "zero3"), "blocks.2.up.weight", 0)
+    assert (final - initial["blocks.2.up.weight"]).abs().max() > 1e-3
+
+
+def padded_bytes(module: nn.Module, world_size: int, trainable_only: bool = False) -> int:
+    """Bytes each rank keeps for ``module``'s parameters under ``fully_shard``: ``ceil(rows / N)`` rows of each
+    (its storage is padded to that on every rank), 0-dim parameters whole."""
+    params = [p for p in module.parameters() if p.requires_grad or not trainable_only]
+    return sum(4 * math.ceil(p.shape[0] / world_size) * p[0].numel() if p.dim() else 4 for p in params)
+
+
+def local_numel(module: nn.Module, world_size: int, rank: int) -> int:
+    """Elements of this rank's shards of the trainable parameters, unpadded (``torch.chunk`` rows)."""
+    total = 0
+    for p in module.parameters():
+        if p.requires_grad:
+            chunks = torch.chunk(torch.empty(p.shape[0]), world_size)
+            total += (chunks[rank].numel() if rank < len(chunks) else 0) * p[0].numel()
+    return total
+
+
+def test_bytes_at_rest_are_totals_over_n_plus_padding(results: list[dict[Any, Any]]) -> None:
+    world_size = len(results)
+    module = TiedLM(**MEMORY)
+    num_trainable = sum(p.requires_grad for p in module.parameters())
+    ddp = results[0][("memory", "ddp")]["callback_metrics"]
+    state_total = 0
+    for rank, per_rank in enumerate(results):
+        zero3 = per_rank[("memory", "zero3")]["callback_metrics"]
+        assert zero3["param_bytes"] == padded_bytes(module, world_size)
+        one_row_each = sum(4 * p[0].numel() for p in module.parameters())
+        assert zero3["param_bytes"] <= ddp["param_bytes"] / world_size + one_row_each
+        assert zero3["grad_bytes"] == padded_bytes(module, world_size, trainable_only=True)
+        # AdamW: two moments over this rank's rows, and a 4-byte step counter per parameter on every rank
+        assert zero3["state_bytes"] == 2 * 4 * local_numel(module, world_size, rank) + 4 * num_trainable
+        state_total += zero3["state_bytes"] - 4 * num_trainable
+    assert state_total == ddp["state_bytes"] - 4 * num_trainable  # the moments are an exact partition
+
+
+def unit_bytes(module: TiedLM) -> list[int]:
+    """Full parameter bytes of each unit the default policy makes, the root unit (the rest) included."""
+    units = [4 * sum(p.numel() for p in block.parameters()) for block in module.blocks]
+    root = 4 * sum(p.numel() for p in module.parameters()) - sum(units)
+    return [*units, root]
+
+
+def test_peak_bytes_in_forward_and_backward(results: list[dict[Any, Any]]) -> None:
+    """Walked from inside every module's forward hooks and its outputs' gradient hooks (backward): shards, gathered
+    units, gradients and optimizer state together stay below what the shards hold at rest plus two whole units, each
+    with its parameters and its gradients (the one at work, and the root unit or the next one gathered)."""
+    module = TiedLM(**MEMORY)
+    largest = sorted(unit_bytes(module))[-2:]
+    ddp = results[0][("memory", "ddp")]["callback_metrics"]
+    for per_rank in results:
+        zero3 = per_rank[("memory", "zero3")]["callback_metrics"]
+        at_rest = zero3["param_bytes"] + zero3["grad_bytes"] + zero3["state_bytes"]
+        assert at_rest < zero3["step_peak_bytes"] <= at_rest + 2 * sum(largest)
+        assert zero3["step_peak_bytes"] < ddp["param_bytes"] + ddp["grad_bytes"] + ddp["state_bytes"]
+
+
+def test_configure_model_never_holds_the_whole_model(results: list[dict[Any, Any]]) -> None:
+    """Layers built in configure_model are meta tensors (no bytes) until sharded; materialising them holds at most
+    this rank's shards plus one module's whole parameters; and the weights equal DDP's eager ones (above)."""
+    world_size = len(results)
+    module = TiedLM()
+    largest_module = max(4 * sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
+    for per_rank in results:
+        zero3 = per_rank[("configure_model", "zero3")]["callback_metrics"]
+        ddp = per_rank[("configure_model", "ddp")]["callback_metrics"]
+        assert zero3["configure_model_bytes"] == 0
+        assert ddp["configure_model_bytes"] == 4 * sum(p.numel() for p in module.parameters())
+        assert zero3["param_bytes"] == padded_bytes(module, world_size)
+        assert zero3["param_bytes"] < zero3["setup_peak_bytes"] <= zero3["param_bytes"] + largest_module
+
+
+@pytest.mark.parametrize("strategy", ["zero1_checkpointed", "zero2_checkpointed", "zero3_checkpointed"])
+def test_activation_checkpointing_recomputes_blocks(results: list[dict[Any, Any]], strategy: str) -> None:
+    """Every block ran its forward again in backward, and (above) training matched DDP: each parameter still got
+    its gradient once per backward, so the stage 1 and 2 reducers saw each exactly once."""
+    for per_rank in results:
+        plain = per_rank[("tied_lm", "ddp")]["callback_metrics"]["block_forward_calls"]
+        checkpointed = per_rank[("tied_lm", strategy)]["callback_metrics"]["block_forward_calls"]
+        assert checkpointed == 2 * plain > 0
+
+
+# --- failures that must be clear and early, never a hang -----------------------------------------------------------
+
+
+def test_uneven_evaluation_batches_fail_before_the_first_batch(tmp_path: Path) -> None:
+    uneven = scenario(
+        "uneven_val",
+        "tied_lm",
+        ["zero3"],
+        module_kwargs={"uneven_val": True},
+        limit_val_batches=1.0,
+        trainer_kwargs={"use_distributed_sampler": False, "val_check_interval": 2},
+    )
+    counts = r"rank 0: \[6\], rank 1: \[7\]"
+    with pytest.raises(RuntimeError, match=rf"(?s)same, known number of validation batches.*{counts}.*HINT"):
+        run_scenarios([uneven], 2, tmp_path)
+
+
+def test_unit_parameter_read_outside_forward_is_refused(tmp_path: Path) -> None:
+    outside = scenario("penalty_on_unit", "tied_lm", ["zero3"], module_kwargs={"penalty_on_unit": True})
+    with pytest.raises(RuntimeError, match=r"(?s)The loss is a DTensor.*gathered only inside that unit's.*HINT"):
+        run_scenarios([outside], 2, tmp_path)
+
+
+# --- options, policies, one device: in this process ----------------------------------------------------------------
+
+
+def test_zero3_is_registered() -> None:
+    assert StrategyRegistry["zero3"]["strategy"] is Zero3Strategy
+    assert ZeroStrategy(stage=3).stage == 3
+    trainer = pl.Trainer(strategy="zero3", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, Zero3Strategy)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("auto_wrap_policy", "no_such_package.Block", r"` names 'no_such_package.Block', which cannot be imported"),
+        ("auto_wrap_policy", {"torch.optim.Adam"}, r"` holds .*Adam.*, which is not a subclass of `torch.nn.Module`"),
+        ("auto_wrap_policy", 0, r"=0` must be a positive parameter count"),
+        ("auto_wrap_policy", True, r"=True` is not a policy"),
+        ("auto_wrap_policy", 2.5, r"=2.5` is not a policy"),
+        ("activation_checkpointing", [], r"=\[\]` is not a policy"),
+        ("activation_checkpointing", "Block", r"` names 'Block', which cannot be imported"),
+    ],
+)
+def test_bad_policies_are_named(option: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"^`{option}{message}.*HINT: pass `{option}` as"):
+        Zero3Strategy(**{option: value})
+
+
+def test_wrap_policy_is_for_stage_3_only() -> None:
+    with pytest.raises(ValueError, match=r"`auto_wrap_policy` shapes the units of stage 3.*HINT"):
+        Zero2Strategy(auto_wrap_policy={nn.Linear})
+    with pytest.raises(ValueError, match=r"Zero3Strategy runs stage 3.*HINT"):
+        Zero3Strategy(stage=2)
+
+
+def unit_names(module: nn.Module, policy: Any) -> list[str]:
+    names = {id(m): n for n, m in module.named_modules()}
+    return [names[id(m)] for m in choose_units(module, resolve_policy("auto_wrap_policy", policy))]
+
+
+def test_wrap_policies_pick_units_deepest_first() -> None:
+    module = TiedLM()
+    blocks = ["blocks.2", "blocks.1", "blocks.0"]
+    assert unit_names(module, None) == blocks
+    assert unit_names(module, {Block}) == unit_names(module, ["tests.workers.modules_zero3.Block"]) == blocks
+    assert unit_names(module, lambda m, name: isinstance(m, Block) and name != "blocks.1") == ["blocks.2", "blocks.0"]
+    # every Linear but the head, whose weight is tied to the embedding's: a tie stays inside one unit
+    linears = unit_names(module, {nn.Linear})
+    assert "head" not in linears and "mixer" in linears and len(linears) == 1 + 3 * 3
+    # by size: `up` and `down` (1200 and 1176 parameters) alone; what is left of a block (648) stays in the root
+    assert unit_names(module, 1000) == [f"blocks.{i}.{part}" for i in (2, 1, 0) for part in ("down", "up")]
+    by_600 = [f"blocks.{i}.{part}" for i in (2, 1, 0) for part in ("skip", "down", "up")]
+    assert unit_names(module, 600) == [*by_600, "mixer"]  # a frozen `skip` too; the tied embedding never
+    assert unit_names(module, {nn.ModuleList}) == []  # never called: cannot gather around a forward
+    assert resolve_policy("x", 5) == MinParams(5) and resolve_policy("x", nn.Linear) == ModuleClasses((nn.Linear,))
+    assert resolve_policy("x", None) == RepeatedEntries()
+
+
+def test_activation_checkpointing_keeps_names_and_is_idempotent() -> None:
+    module = TiedLM()
+    keys = list(module.state_dict())
+    assert apply_activation_checkpointing(module, RepeatedEntries()) == ["blocks.0", "blocks.1", "blocks.2"]
+    first = module.blocks[0].forward
+    assert isinstance(first, CheckpointedForward)
+    assert apply_activation_checkpointing(module, ModuleClasses((Block, nn.Linear))) == [
+        "mixer", "blocks.0", "blocks.1", "blocks.2", "head",
+    ]  # fmt: skip
+    assert module.blocks[0].forward is first and list(module.state_dict()) == keys
+
+
+def test_one_device_trains_plainly() -> None:
+    """On one device stage 3 shards nothing: no meta tensors, no DTensors, the user's optimizer as it is."""
+    pl.seed_everything(0)
+    module = TiedLM(build_in_configure_model=True)
+    strategy = Zero3Strategy(activation_checkpointing=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module)
+    assert module.memory["configure_model_bytes"] == 4 * sum(p.numel() for p in module.parameters())
+    assert not any(isinstance(p, DTensor) or p.is_meta for p in module.parameters())
+    assert isinstance(module.blocks[0].forward, CheckpointedForward)
+    assert trainer.callback_metrics["block_forward_calls"] == 2 * 2 * (len(module.blocks) + 1)
+
+
+def test_policies_from_a_lightning_cli_config(tmp_path: Path) -> None:
+    """YAML names classes by import path: a LightningCLI config can set both options."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  logger: false\n"
+        "  strategy:\n"
+        "    class_path: lightning_zero.Zero3Strategy\n"
+        "    init_args:\n"
+        "      auto_wrap_policy: [tests.workers.modules_zero3.Block]\n"
+        "      activation_checkpointing: true\n"
+    )
+    cli = LightningCLI(TiedLM, run=False, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, Zero3Strategy)
+    assert strategy.config.auto_wrap_policy == ModuleClasses((Block,))
+    assert strategy.config.activation_checkpointing == ModuleClasses((Block,))
+
+
+def test_meta_init_creates_only_resettable_parameters_on_meta() -> None:
+    """Parameters of modules with `reset_parameters()` are meta; buffers and other parameters keep their values."""
+
+    class Custom(nn.Module):  # no `reset_parameters()`: nothing could give a meta parameter its values again
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(3))
+            self.register_buffer("table", torch.arange(4.0))
+
+    strategy = Zero3Strategy(parallel_devices=[torch.device("cpu")] * 2)
+    with strategy.tensor_init_context():
+        linear, custom, norm = nn.Linear(3, 3), Custom(), nn.BatchNorm1d(3)
+        head = nn.Linear(3, 3, bias=False)
+        head.weight = linear.weight
+    assert linear.weight.is_meta and linear.bias.is_meta and norm.weight.is_meta and head.weight is linear.weight
+    assert not custom.scale.is_meta and torch.equal(custom.table, torch.arange(4.0)) and not norm.running_var.is_meta
+    with strategy.tensor_init_context(empty_init=False):
+        assert not nn.Linear(2, 2).weight.is_meta
+    with Zero3Strategy(parallel_devices=[torch.device("cpu")]).tensor_init_context():
+        assert not nn.Linear(2, 2).weight.is_meta  # one device: nothing to shard
+    assert not nn.Linear(2, 2).weight.is_meta
+
+    resets = strategy._meta_init.plan(nn.Sequential(linear, custom, norm, head))
+    # in registration order; the tied weight takes its creator's values, the head still draws as it did eagerly
+    assert [(type(r.module).__name__, r.owned) for r in resets] == [
+        ("Linear", ["weight", "bias"]), ("BatchNorm1d", ["weight", "bias"]), ("Linear", []),
+    ]  # fmt: skip
+
+
+def test_meta_parameter_nothing_can_initialise_is_refused() -> None:
+    strategy = Zero3Strategy(parallel_devices=[torch.device("cpu")] * 2)
+    with strategy.model_sharded_context():
+        linear = nn.Linear(3, 3)
+    holder = nn.Module()
+    holder.weight = linear.weight  # held only by a module without `reset_parameters()`
+    with pytest.raises(ValueError, match=r"\['weight'\] are on the meta device.*HINT: define `reset_parameters"):
+        strategy._meta_init.plan(holder)
