@@ -34,7 +34,7 @@ def sharded_model_state(module: nn.Module, engine: ZeroEngine | None) -> dict[st
     for name, param in module.named_parameters(remove_duplicate=False):
         sharded = engine.by_param.get(id(param))
         if sharded is not None and name in state:
-            state[name] = sharded.wrap(sharded.local)
+            state[name] = sharded.wrap(sharded.master)  # the fp32 master where there is one
     return state
 
 
@@ -83,7 +83,7 @@ def load_directory(
     ckpt.load(flat, path)
     if engine is not None:
         with torch.no_grad():
-            engine.gatherer.gather()  # the rows other ranks own
+            engine.module_from_masters()  # and the rows other ranks own
     for index, (optimizer, target) in enumerate(zip(optimizers, targets, strict=True)):
         groups = meta["param_groups"][index]
         optimizer.load_state_dict(_indexed_state(index, optimizer, module, target, groups, path))

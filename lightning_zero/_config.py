@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import torch
+
 from lightning_zero._wrap import ModulePolicy, RepeatedEntries, resolve_policy
 
 
@@ -37,6 +39,16 @@ class ZeroConfig:
     activation_checkpointing: ModulePolicy | None = None
     """Which submodules recompute their activations in backward instead of keeping them (any stage)."""
 
+    master_weights: bool = False
+    """ZeRO mixed precision (stages 1 and 2): with a 16-bit module (``precision="bf16-true"`` or ``"16-true"``),
+    parameters and gradients stay 16-bit in the module and on the wire, while the optimizer steps on an fp32 master
+    copy of this rank's shard only; fp16 gradients get dynamic loss scaling that skips a step on every rank when any
+    rank overflows."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Stage 2: dtype gradients are reduced (and their shards kept) in; ``torch.float32`` for accuracy with a
+    16-bit module. ``None``: the parameters' dtype, half the traffic."""
+
     @classmethod
     def from_options(
         cls,
@@ -46,6 +58,8 @@ class ZeroConfig:
         broadcast_buffers: object,
         auto_wrap_policy: object = None,
         activation_checkpointing: object = None,
+        master_weights: object = False,
+        reduce_dtype: object = None,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
@@ -72,14 +86,44 @@ class ZeroConfig:
                 checkpointing = wrap  # the modules the wrap policy picks (the repeated entries in stages 1 and 2)
             case _:
                 checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
+        if not isinstance(master_weights, bool):
+            raise ValueError(f"`master_weights={master_weights!r}` must be True or False.")
+        if master_weights and stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
+            raise ValueError(
+                "`master_weights` runs in stages 1 and 2. HINT: in stage 3 use `precision='bf16-mixed'`: the sharded"
+                " parameters stay fp32 and compute runs in bf16."
+            )
+        dtype = _resolve_dtype(reduce_dtype)
+        if dtype is not None and stage != Stage.GRADIENTS:
+            raise ValueError(
+                f"`reduce_dtype` applies to stage 2's gradient shards; stage {stage} reduces in the parameters' dtype."
+                " HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
+            )
         return cls(
             stage=Stage(stage),
             bucket_cap_mb=float(bucket_cap_mb),
             broadcast_buffers=broadcast_buffers,
             auto_wrap_policy=wrap,
             activation_checkpointing=checkpointing,
+            master_weights=master_weights,
+            reduce_dtype=dtype,
         )
+
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.master_weights else None
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
+
+
+_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(value: object) -> torch.dtype | None:
+    if value is None or value in _REDUCE_DTYPES.values():
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value.removeprefix("torch.") in _REDUCE_DTYPES:
+        return _REDUCE_DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"`reduce_dtype={value!r}` is not a dtype to reduce in. HINT: use one of {list(_REDUCE_DTYPES)}.")

@@ -104,6 +104,19 @@ class ZeroEngine:
                     )
         return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather, self.scaler)
 
+    def module_from_masters(self) -> None:
+        """Make the module's full parameters current from every rank's masters (after loading into them)."""
+        with_master = [s for s in self.sharded if s.has_master]
+        if with_master:
+            torch._foreach_copy_([s.local for s in with_master], [s.master for s in with_master])
+        self.gatherer.gather()
+
+    def masters_from_module(self) -> None:
+        """Make the masters current from the module (after loading whole tensors into it)."""
+        with_master = [s for s in self.sharded if s.has_master]
+        if with_master:
+            torch._foreach_copy_([s.master for s in with_master], [s.local for s in with_master])
+
     def detach(self) -> None:
         """No more hooks, no retained communication buffers; the shards still describe the module's layout."""
         self.reducer.remove_hooks()

@@ -20,7 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -39,7 +39,7 @@ from lightning_zero._checkpoint import (
     sharded_model_state,
 )
 from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._engine import EngineState, ZeroEngine
+from lightning_zero._engine import EnginePrecision, EngineState, ZeroEngine
 from lightning_zero._meta_init import MetaInit, materialize
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
@@ -93,6 +93,8 @@ class ZeroStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         auto_wrap_policy: ModuleOption = None,
         activation_checkpointing: bool | ModuleOption = None,
+        master_weights: bool = False,
+        reduce_dtype: str | torch.dtype | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -106,8 +108,8 @@ class ZeroStrategy(DDPStrategy):
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
-                " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy` and `activation_checkpointing`; the rest are"
-                " those of Lightning's `DDPStrategy`."
+                " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy`, `activation_checkpointing`,"
+                " `master_weights` and `reduce_dtype`; the rest are those of Lightning's `DDPStrategy`."
             )
         if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
             raise ValueError(
@@ -120,6 +122,8 @@ class ZeroStrategy(DDPStrategy):
             broadcast_buffers=broadcast_buffers,
             auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing=activation_checkpointing,
+            master_weights=master_weights,
+            reduce_dtype=reduce_dtype,
         )
         super().__init__(
             accelerator=accelerator,
@@ -213,13 +217,43 @@ class ZeroStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             _check_optimizer(optimizer)
         self._remove_engine()
+        if self.world_size == 1 and self.config.master_weights:
+            raise ValueError(
+                "`master_weights=True` shards fp32 master weights across ranks; this run has one."
+                " HINT: on one device use `Trainer(precision='bf16-mixed')`, which keeps fp32 weights."
+            )
         if self.world_size == 1 or self.stage is Stage.PARAMETERS:
             return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        self._engine = ZeroEngine(self.lightning_module, _reducer_for(self.stage), mesh, self.config.bucket_bytes)
+        precision = self._engine_precision(self.lightning_module)
+        self._engine = ZeroEngine(
+            self.lightning_module, _reducer_for(self.stage), mesh, self.config.bucket_bytes, precision
+        )
+        self.precision_plugin.zero_loss_scaler = self._engine.scaler
         self._buffers_due = True
         self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
+
+    def _engine_precision(self, module: torch.nn.Module) -> EnginePrecision:
+        """The dtypes the engine adds to the module's. Loss scaling is the engine's wherever fp16 gradients end up in
+        shards: with fp16 master-weight training, and in place of Lightning's ``GradScaler`` (``"16-mixed"`` on GPU),
+        which would look only at this rank's shards for overflows."""
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+        if self.config.master_weights and not dtypes & {torch.float16, torch.bfloat16}:
+            raise ValueError(
+                "`master_weights=True` keeps fp32 master shards of a 16-bit module, but the module's parameters are"
+                f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')` (or '16-true')."
+            )
+        plugin = self.precision_plugin
+        takes_over_scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
+        if takes_over_scaler:
+            plugin.scaler = None
+        fp16_master = self.config.master_weights and torch.float16 in dtypes
+        return EnginePrecision(
+            master_dtype=self.config.master_dtype,
+            reduce_dtype=self.config.reduce_dtype,
+            loss_scaling=fp16_master or takes_over_scaler,
+        )
 
     @contextmanager
     @override
@@ -406,6 +440,8 @@ class ZeroStrategy(DDPStrategy):
             self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
         else:
             super().load_model_state_dict(checkpoint, strict=strict)
+            if self._engine is not None:
+                self._engine.masters_from_module()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -101,3 +101,24 @@ def test_one_device_trains_plainly(strategy: str) -> None:
     assert trainer.strategy._engine is None
     for key, value in plain.items():
         torch.testing.assert_close(zero[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 3, "master_weights": True}, r"`master_weights` runs in stages 1 and 2.*HINT"),
+        ({"stage": 1, "reduce_dtype": "float32"}, r"`reduce_dtype` applies to stage 2.*HINT"),
+        ({"stage": 2, "reduce_dtype": "float64"}, r"`reduce_dtype='float64'`.*HINT"),
+        ({"stage": 2, "master_weights": "yes"}, r"`master_weights='yes'` must be True or False"),
+    ],
+)
+def test_precision_options_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**kwargs)
+
+
+def test_master_weights_need_several_ranks() -> None:
+    trainer = pl.Trainer(strategy=Zero2Strategy(master_weights=True), accelerator="cpu", devices=1,
+                         precision="bf16-true", max_steps=1, logger=False)
+    with pytest.raises(ValueError, match=r"this run has one.*HINT: .*bf16-mixed"):
+        trainer.fit(Classifier())

@@ -82,6 +82,9 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
         "model_state": measure(module, trainer.optimizers, getattr(trainer.strategy, "_engine", None)),
     }
+    engine = getattr(trainer.strategy, "_engine", None)
+    if engine is not None and any(s.has_master for s in engine.sharded):
+        result["masters"] = [s.shard.detach().full_tensor() for s in engine.sharded]
     if hasattr(module, "report"):
         result.update(module.report())
     for fn in scenario.get("after_fit", []):
