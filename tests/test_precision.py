@@ -15,7 +15,7 @@ import torch
 
 from tests.launch import run_scenarios
 
-ZERO = ["zero1", "zero2"]
+ZERO = ["zero1", "zero2", "zero3"]
 MASTER = "master_weights=true"
 TOLERANCE = {"32-true": (1e-4, 1e-5), "bf16-mixed": (1e-4, 1e-5), "16-mixed": (1e-4, 1e-5),
              "bf16-true": (2e-2, 2e-2), "16-true": (4e-3, 4e-3)}

@@ -73,7 +73,7 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
     module = trainer.lightning_module
     result: dict[str, Any] = {
         "losses": list(module.losses),
-        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "state_dict": {k: full(v).detach().clone() for k, v in module.state_dict().items()},
         "optimizers": [full_optimizer_state(opt) for opt in trainer.optimizers],
         "lrs": [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers],
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -130,6 +130,10 @@ def fit(
     trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, probe
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered if sharded (stage 3 keeps DTensor parameters)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def main() -> None:
