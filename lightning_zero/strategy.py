@@ -4,7 +4,7 @@ and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3`
 from __future__ import annotations
 
 import shutil
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -277,35 +277,39 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._sync_buffers_before_forward()
-        if self._sharded is None:
-            return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self._sharded.step(self._forward_redirection, "training_step", *args, **kwargs)
+        context = self.precision_plugin.train_step_context
+        return self._step("training_step", super().training_step, context, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._sync_buffers_before_forward()
-        if self._sharded is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._sharded.step(self._forward_redirection, "validation_step", *args, **kwargs)
+        context = self.precision_plugin.val_step_context
+        return self._step("validation_step", super().validation_step, context, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._sync_buffers_before_forward()
-        if self._sharded is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._sharded.step(self._forward_redirection, "test_step", *args, **kwargs)
+        context = self.precision_plugin.test_step_context
+        return self._step("test_step", super().test_step, context, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        context = self.precision_plugin.predict_step_context
+        return self._step("predict_step", super().predict_step, context, *args, **kwargs)
+
+    def _step(
+        self,
+        hook: str,
+        unsharded: Callable[..., Any],
+        context: Callable[[], AbstractContextManager],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """One training, validation, test or predict step: buffers synchronised as DDP would, then the step, run as
+        the root unit's forward under stage 3."""
         self._sync_buffers_before_forward()
         if self._sharded is None:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self._sharded.step(self._forward_redirection, "predict_step", *args, **kwargs)
+            return unsharded(*args, **kwargs)
+        with context():
+            return self._sharded.step(self._forward_redirection, hook, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
