@@ -100,6 +100,9 @@ class ZeroOptimizer(Optimizer):
         if not skip:
             with self.shards_installed(), _multi_tensor(self._foreach_groups):
                 self.optimizer.step()
+            if self._masters or self._scaler is not None:
+                for sharded in self.sharded:
+                    sharded.release_grad_copy()
             with torch.no_grad():
                 if self._masters:
                     torch._foreach_copy_(self._module_rows, self._masters)

@@ -61,3 +61,9 @@ class ShardedParam:
         local = self.grad_storage.to(self.master.dtype, copy=True)
         self.shard.grad = self.wrap(local)
         return local
+
+    def release_grad_copy(self) -> None:
+        """Free a gradient handed over as a copy once the optimizer has used it: with fp32 masters that is 4 bytes
+        per shard element which would otherwise live through the next forward."""
+        if self.shard.grad is not None and self.shard.grad is not self._grad_view:
+            self.shard.grad = None
