@@ -235,8 +235,8 @@ def notes(psi: int, args: argparse.Namespace) -> list[str]:
         "ddp uses `gradient_as_bucket_view=True`: with DDP's default the C++ reducer holds another 4 Psi of gradient"
         " buckets that no Python tensor reaches. Not model state and not counted for any row: activations, and"
         " buffers freed within a step (stage 3's gathered units, stage 2's staging buffers).",
-        "The last column is held too: with fp32 masters the optimizer steps on fp32 copies of this rank's gradient"
-        " shards (4 Psi/N), which `measure` does not see and which stay until the next step's `zero_grad`.",
+        "The copies column checks a transient: with fp32 masters the optimizer steps on fp32 copies of this rank's"
+        " gradient shards (4 Psi/N), which `measure` does not count; they are freed right after the step.",
     ]
 
 
