@@ -40,14 +40,14 @@ class ZeroConfig:
     """Which submodules recompute their activations in backward instead of keeping them (any stage)."""
 
     master_weights: bool = False
-    """ZeRO mixed precision (stages 1 and 2): with a 16-bit module (``precision="bf16-true"`` or ``"16-true"``),
+    """ZeRO mixed precision: with a 16-bit module (``precision="bf16-true"``, or ``"16-true"`` in stages 1 and 2),
     parameters and gradients stay 16-bit in the module and on the wire, while the optimizer steps on an fp32 master
-    copy of this rank's shard only; fp16 gradients get dynamic loss scaling that skips a step on every rank when any
-    rank overflows."""
+    copy of this rank's shard only (in stage 3 the fp32 shards are the masters, gathered as bf16); fp16 gradients
+    get dynamic loss scaling that skips a step on every rank when any rank overflows."""
 
     reduce_dtype: torch.dtype | None = None
-    """Stage 2: dtype gradients are reduced (and their shards kept) in; ``torch.float32`` for accuracy with a
-    16-bit module. ``None``: the parameters' dtype, half the traffic."""
+    """Stages 2 and 3: dtype gradients are reduced in; ``torch.float32`` for accuracy with a 16-bit module.
+    ``None``: the parameters' dtype, half the traffic."""
 
     @classmethod
     def from_options(
@@ -88,16 +88,11 @@ class ZeroConfig:
                 checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
         if not isinstance(master_weights, bool):
             raise ValueError(f"`master_weights={master_weights!r}` must be True or False.")
-        if master_weights and stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
-            raise ValueError(
-                "`master_weights` runs in stages 1 and 2. HINT: in stage 3 use `precision='bf16-mixed'`: the sharded"
-                " parameters stay fp32 and compute runs in bf16."
-            )
         dtype = _resolve_dtype(reduce_dtype)
-        if dtype is not None and stage != Stage.GRADIENTS:
+        if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
-                f"`reduce_dtype` applies to stage 2's gradient shards; stage {stage} reduces in the parameters' dtype."
-                " HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
+                "`reduce_dtype` applies to the gradient shards of stages 2 and 3; stage 1 keeps full gradients in the"
+                " parameters' dtype. HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
             )
         return cls(
             stage=Stage(stage),

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import _collectives as comm
@@ -60,14 +60,22 @@ _BY_MODULE: weakref.WeakKeyDictionary[nn.Module, ShardedModule] = weakref.WeakKe
 class ShardedModule:
     """A module under ``fully_shard``, with its replicated parameters and its gradient-sync switch."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, units: list[nn.Module], device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        units: list[nn.Module],
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
         self.module = module
         self.group: ProcessGroup = mesh.get_group()
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         ignored = set(self.replicated)
+        mp_policy = mp_policy or MixedPrecisionPolicy()
         for unit in units:  # deepest first
-            fully_shard(unit, mesh=mesh, ignored_params=ignored)
-        fully_shard(module, mesh=mesh, ignored_params=ignored)
+            fully_shard(unit, mesh=mesh, ignored_params=ignored, mp_policy=mp_policy)
+        fully_shard(module, mesh=mesh, ignored_params=ignored, mp_policy=mp_policy)
         if dist.get_backend(self.group) == "gloo" and AllGather is not None:  # gloo's move more data than needed
             for fsdp_module in (*units, module):
                 assert isinstance(fsdp_module, FSDPModule)

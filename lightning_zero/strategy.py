@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -207,9 +208,27 @@ class ZeroStrategy(DDPStrategy):
         # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
         _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
         units = choose_units(module, self.config.auto_wrap_policy)
-        self._sharded = ShardedModule(module, mesh, units, self.root_device)
+        self._sharded = ShardedModule(module, mesh, units, self.root_device, self._stage3_precision(module))
         materialize(module, resets, self.root_device, self._sharded.group)
         self._buffers_due = True
+
+    def _stage3_precision(self, module: torch.nn.Module) -> MixedPrecisionPolicy | None:
+        """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) become fp32 while
+        ``fully_shard`` gathers them in the module's 16-bit dtype and reduces gradients in that dtype (or
+        ``reduce_dtype``)."""
+        reduce_dtype = self.config.reduce_dtype
+        if not self.config.master_weights:
+            return None if reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+        if dtypes != {torch.bfloat16}:
+            raise ValueError(
+                f"`master_weights=True` in stage 3 keeps fp32 shards of a bf16 module; the module's parameters are"
+                f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')`; fp16 master weights with"
+                " loss scaling run in stages 1 and 2."
+            )
+        for param in module.parameters():
+            param.data = param.data.float()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.bfloat16)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -106,8 +106,7 @@ def test_one_device_trains_plainly(strategy: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"stage": 3, "master_weights": True}, r"`master_weights` runs in stages 1 and 2.*HINT"),
-        ({"stage": 1, "reduce_dtype": "float32"}, r"`reduce_dtype` applies to stage 2.*HINT"),
+        ({"stage": 1, "reduce_dtype": "float32"}, r"`reduce_dtype` applies to the gradient shards.*HINT"),
         ({"stage": 2, "reduce_dtype": "float64"}, r"`reduce_dtype='float64'`.*HINT"),
         ({"stage": 2, "master_weights": "yes"}, r"`master_weights='yes'` must be True or False"),
     ],
