@@ -1,4 +1,5 @@
-"""Steps/s and per-rank model-state memory of "ddp", "zero1", "zero2" and "zero3" training one model on CPU processes.
+"""Steps/s and per-rank model-state memory of "ddp", "zero1", "zero2", "zero3" and a hand-wrapped FSDP2 peer training
+one model on CPU processes.
 
 Run with the package installed (``pip install -e .``): ``python benchmarks/bench_strategies.py [--rounds 5 ...]``.
 
@@ -19,6 +20,12 @@ steps and reported on their own. DDP's C++ reducer keeps flat bucket buffers too
 ``gradient_as_bucket_view=False``); Python cannot reach them, so they are not counted. Stage 3 (``fully_shard``) frees
 its all-gather and reduce-scatter buffers within each step, so it keeps no pool between steps; the default wrap policy
 makes each residual block a unit, gathered only around its forward and backward.
+
+The peer, "fsdp2 (hand-wrapped)", is what a user gets without this package: Lightning's ``ModelParallelStrategy``
+(data parallel over every rank, no tensor parallelism) with a ``configure_model`` that applies ``fully_shard`` to the
+same units zero3 picks by default (each residual block) and then to the root. Its memory is counted like zero3's. One
+difference besides the wrapping code: on gloo, zero3 swaps ``fully_shard``'s all-gather and reduce-scatter for this
+package's point-to-point exchanges (``lightning_zero._collectives``), while the peer keeps gloo's own collectives.
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,6 +62,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "zero2": Zero2Strategy,
     "zero3": Zero3Strategy,
 }
+PEER = "fsdp2 (hand-wrapped)"  # Lightning's ModelParallelStrategy around HandShardedMLP
+NAMES = [*STRATEGIES, PEER]
 MIB = 2**20
 PHASES = {  # the parts of a training step that Probe times, and what they hold
     "forward": "forward",
@@ -120,6 +130,17 @@ class ResidualMLP(pl.LightningModule):
         gen = torch.Generator().manual_seed(1234)
         x = torch.randn(n, self.d_in, generator=gen)
         return DataLoader(TensorDataset(x, torch.randint(0, self.classes, (n,), generator=gen)), self.batch_size)
+
+
+class HandShardedMLP(ResidualMLP):
+    """The same model, sharded by hand the way ``ModelParallelStrategy`` asks: ``fully_shard`` on each residual block
+    (the units zero3's default policy picks), then on the root."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
@@ -227,14 +248,21 @@ class Profile(Callback):
 # --- one worker ---------------------------------------------------------------------------------------------------
 
 
+def make_strategy(name: str, args: argparse.Namespace) -> Strategy:
+    if name == PEER:
+        return ModelParallelStrategy(data_parallel_size=args.world_size, tensor_parallel_size=1)
+    return STRATEGIES[name](bucket_cap_mb=args.bucket_cap_mb)  # DDPStrategy hands it on to DDP
+
+
 def fit(name: str, args: argparse.Namespace, callbacks: list[Callback]) -> ResidualMLP:
     total = args.warmup + args.steps
     pl.seed_everything(0, verbose=False)
-    module = ResidualMLP(args.hidden, args.layers, args.batch_size, total)
+    model_class = HandShardedMLP if name == PEER else ResidualMLP
+    module = model_class(args.hidden, args.layers, args.batch_size, total)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.world_size,
-        strategy=STRATEGIES[name](bucket_cap_mb=args.bucket_cap_mb),  # DDPStrategy hands it on to DDP
+        strategy=make_strategy(name, args),
         max_steps=total,
         callbacks=callbacks,
         logger=False,
@@ -263,17 +291,16 @@ def measure(name: str, round_index: int, args: argparse.Namespace) -> dict[str, 
 
 def worker(args: argparse.Namespace) -> None:
     args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
-    names = list(STRATEGIES)
     results = []
     for round_index in range(args.rounds):
-        shift = round_index % len(names)
-        results += [measure(name, round_index, args) for name in names[shift:] + names[:shift]]
+        shift = round_index % len(NAMES)
+        results += [measure(name, round_index, args) for name in NAMES[shift:] + NAMES[:shift]]
     everyone: list[list[dict[str, Any]]] = [[] for _ in range(args.world_size)]
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
         print(report(everyone, args), flush=True)
     if args.profile:
-        for name in names:
+        for name in NAMES:
             profile = Profile(args.warmup, args.steps)
             fit(name, args, [profile])
             if dist.get_rank() == 0:
@@ -299,21 +326,26 @@ def report(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
 
 
 def summary_table(runs: Runs, rounds: int) -> list[str]:
-    """Steps/s is the median over rounds of the slowest rank; its ratio to DDP is the median of the same-round
-    ratios (pairing cancels noise that drifts between rounds); memory is the largest rank's, in the last round."""
+    """Steps/s is the median over rounds of the slowest rank; its ratios to DDP and to the peer are medians of the
+    same-round ratios (pairing cancels noise that drifts between rounds); memory is the largest rank's, in the last
+    round."""
     speed = {key: min(r["steps_per_s"] for r in ranks) for key, ranks in runs.items()}
+
+    def ratio(name: str, base: str) -> float:
+        return statistics.median(speed[name, r] / speed[base, r] for r in range(rounds))
+
     lines = [
-        "| strategy | steps/s (median) | steps/s (min-max) | ratio to ddp | params MiB/rank | grads MiB/rank"
-        " | optimizer state MiB/rank | ZeRO comm pool MiB/rank |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strategy | steps/s (median) | steps/s (min-max) | ratio to ddp | ratio to fsdp2 peer | params MiB/rank"
+        " | grads MiB/rank | optimizer state MiB/rank | ZeRO comm pool MiB/rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in STRATEGIES:
+    for name in NAMES:
         speeds = [speed[name, r] for r in range(rounds)]
-        ratio = statistics.median(speed[name, r] / speed["ddp", r] for r in range(rounds))
         mem = {k: max(r[k] for r in runs[name, rounds - 1]) / MIB for k in ("params", "grads", "optimizer", "pool")}
         lines.append(
-            f"| {name} | {statistics.median(speeds):.2f} | {min(speeds):.2f}-{max(speeds):.2f} | {ratio:.3f}"
-            f" | {mem['params']:.1f} | {mem['grads']:.1f} | {mem['optimizer']:.1f} | {mem['pool']:.1f} |"
+            f"| {name} | {statistics.median(speeds):.2f} | {min(speeds):.2f}-{max(speeds):.2f}"
+            f" | {ratio(name, 'ddp'):.3f} | {ratio(name, PEER):.3f} | {mem['params']:.1f} | {mem['grads']:.1f}"
+            f" | {mem['optimizer']:.1f} | {mem['pool']:.1f} |"
         )
     return lines
 
@@ -324,7 +356,7 @@ def phase_table(runs: Runs) -> list[str]:
         f"| ms/step | {' | '.join(PHASES.values())} | sum |",
         f"|---|{'---|' * (len(PHASES) + 1)}",
     ]
-    for name in STRATEGIES:
+    for name in NAMES:
         results = [r for (strategy, _), ranks in runs.items() if strategy == name for r in ranks]
         ms = [statistics.median(r["phase_ms"][phase] for r in results) for phase in PHASES]
         lines.append(f"| {name} | {' | '.join(f'{t:.1f}' for t in ms)} | {sum(ms):.1f} |")
@@ -338,9 +370,9 @@ def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:
         f" world size N = {n}; batch size {args.batch_size} per rank; {args.rounds} rounds of {args.warmup} warm-up"
         f" + {args.steps} timed steps; bucket cap {args.bucket_cap_mb:g} MiB.",
         f"Expected per rank: params 4 Psi = {mib[4]:.1f} MiB (ddp, zero1, zero2) vs 4 Psi/N = {mib[4] / n:.1f} MiB"
-        f" (zero3); grads 4 Psi = {mib[4]:.1f} MiB (ddp, zero1) vs 4 Psi/N = {mib[4] / n:.1f} MiB (zero2, zero3);"
-        f" Adam state 8 Psi = {mib[8]:.1f} MiB (ddp) vs 8 Psi/N = {mib[8] / n:.1f} MiB (zero1, zero2, zero3);"
-        " stage 3 pads each parameter's shard to whole rows.",
+        f" (zero3, fsdp2); grads 4 Psi = {mib[4]:.1f} MiB (ddp, zero1) vs 4 Psi/N = {mib[4] / n:.1f} MiB (zero2,"
+        f" zero3, fsdp2); Adam state 8 Psi = {mib[8]:.1f} MiB (ddp) vs 8 Psi/N = {mib[8] / n:.1f} MiB (zero1, zero2,"
+        " zero3, fsdp2); stage 3 and fsdp2 pad each parameter's shard to whole rows.",
     ]
 
 
