@@ -22,6 +22,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,6 +42,7 @@ from lightning_zero._checkpoint import (
 )
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._engine import EnginePrecision, EngineState, ZeroEngine
+from lightning_zero._launcher import FullWeightsLauncher
 from lightning_zero._meta_init import MetaInit, materialize
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
@@ -156,6 +158,14 @@ class ZeroStrategy(DDPStrategy):
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = None if precision_plugin is None else zero_aware(precision_plugin)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:  # notebooks: the main process gets the trained weights back, whole under every stage
+            self._launcher = FullWeightsLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:

@@ -22,6 +22,8 @@ CONFIGS = REPO / "example_modules" / "configs"
     [
         ("zero2.yaml", math.log(256), 3.0),  # GPT "tiny": 256 tokens; the Markov chain's floor is far below 3
         ("zero2_class_path.yaml", math.log(256), 3.0),
+        ("zero3.yaml", math.log(256), 3.0),
+        ("zero3_class_path.yaml", math.log(256), 3.0),  # Block units, activation checkpointing
         ("vision_zero2.yaml", math.log(8), 0.8),  # 8 orientations
     ],
 )

@@ -1,0 +1,94 @@
+"""A model-state memory report for the start of ``fit``: what this rank holds, measured by walking tensors, beside
+what the ZeRO paper's formulas expect (:mod:`lightning_zero.estimate`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim import Adam, AdamW, Optimizer
+
+from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
+from lightning_zero.memory import ModelStateBytes, measure
+
+_PRECISION_OF_ITEMSIZE = {2: "bf16-true", 4: "32-true", 8: "64-true"}  # the bytes are all the estimate needs
+
+
+def format_report(measured: ModelStateBytes, expected: MemoryEstimate, *, title: str) -> str:
+    """A markdown table of ``measured`` beside ``expected.per_rank`` by category, under ``title``, with a note for
+    each category that is still empty because it is created later (gradients in backward, optimizer state at the
+    first step)."""
+    planned = expected.per_rank
+    rows = [
+        ("parameters", measured.parameters, planned.parameters),
+        ("gradients", measured.gradients, planned.gradients),
+        ("master weights", measured.master_weights, planned.master_weights),
+        ("optimizer state", measured.optimizer_state, planned.optimizer_state),
+        ("total", measured.total, planned.total),
+    ]
+    lines = [title, "", "| model state per rank | measured | estimate |", "|---|---|---|"]
+    lines += [f"| {name} | {format_bytes(got)} | {format_bytes(want)} |" for name, got, want in rows]
+    notes = []
+    if measured.gradients == 0 < planned.gradients:
+        notes.append("Gradients are created in the first backward.")
+    if measured.optimizer_state == 0 < planned.optimizer_state:
+        notes.append("Optimizer state is created at the first step.")
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
+
+
+def memory_report(
+    module: nn.Module,
+    optimizers: Iterable[Optimizer],
+    *,
+    strategy: str,
+    num_ranks: int,
+    num_nodes: int = 1,
+    master_weights: bool = False,
+    engine: object | None = None,
+) -> str:
+    """This rank's model state (``lightning_zero.memory.measure``) beside the estimate for ``strategy`` (``"ddp"``,
+    ``"zero1"``, ``"zero2"`` or ``"zero3"``), as :func:`format_report`'s table. The estimate takes the parameter
+    count and dtype from ``module`` (a DTensor counts whole) and the optimizer's kind from ``optimizers``."""
+    optimizers = list(optimizers)
+    params = list(module.parameters())
+    num_params = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    elements_by_itemsize: Counter[int] = Counter()
+    for p in params:
+        elements_by_itemsize[p.element_size()] += p.numel()
+    # Master weights mean a 16-bit module, even where stage 3 keeps fp32 shards as the masters.
+    precision = "bf16-true" if master_weights else _PRECISION_OF_ITEMSIZE[elements_by_itemsize.most_common(1)[0][0]]
+    kind = optimizer_kind(optimizers)
+    expected = estimate(
+        num_params,
+        num_ranks=num_ranks,
+        num_nodes=num_nodes,
+        precision=precision,
+        master_weights=master_weights,
+        optimizer=kind or "adam",
+        trainable_params=trainable,
+    )[strategy]
+    assumed = "" if kind is not None else ", optimizer state estimated as Adam's"
+    ranks = f"{num_ranks} rank{'s' if num_ranks > 1 else ''}"
+    title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{assumed}:"
+    return format_report(measure(module, optimizers, engine), expected, title=title)
+
+
+def optimizer_kind(optimizers: Iterable[Optimizer]) -> str | None:
+    """The :data:`lightning_zero.estimate.OPTIMIZER_STATES` key of ``optimizers`` when all are of one known kind."""
+    kinds = set()
+    for optimizer in optimizers:
+        inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
+        groups = inner.param_groups
+        if isinstance(inner, (Adam, AdamW)) and not any(g.get("amsgrad") for g in groups):
+            kinds.add("adam")
+        elif isinstance(inner, torch.optim.SGD):
+            kinds.add("sgd-momentum" if any(g.get("momentum", 0) for g in groups) else "sgd")
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
