@@ -25,8 +25,8 @@ class FullWeightsLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         """Runs in each started process. A forked one computes on a single thread: GNU OpenMP (torch's CPU builds on
         Linux) hangs in a child that runs a multi-threaded region after its parent ran one, as a notebook does when
-        it evaluates the model before ``fit``. Lightning's own choice (cores / processes, or ``OMP_NUM_THREADS``
-        inherited from the parent) would hang there."""
+        it evaluates the model before ``fit``. Lightning's own choice (cores / processes, or an inherited
+        ``OMP_NUM_THREADS``) hangs there whenever it is more than one thread."""
         if self._start_method == "fork":
             torch.set_num_threads(1)
             os.environ["OMP_NUM_THREADS"] = "1"  # this process only; Lightning then keeps the setting
