@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import IO
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from _processes import free_port, wait_all
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -143,23 +143,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --- processes ----------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every process; once one fails, kill the rest, which would otherwise hang in a collective."""
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.2)
-    return [p.returncode for p in procs]
 
 
 def launch_workers(args: argparse.Namespace, workdir: Path) -> None:

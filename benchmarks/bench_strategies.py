@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from typing import IO, Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from _processes import free_port, wait_all
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
@@ -377,23 +377,6 @@ def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:
 
 
 # --- the launcher -------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every process; once one fails, kill the rest, which would otherwise hang in a collective."""
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.2)
-    return [p.returncode for p in procs]
 
 
 def launch(world_size: int, argv: list[str]) -> int:

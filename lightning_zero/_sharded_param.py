@@ -29,6 +29,7 @@ class ShardedParam:
         self.mesh = mesh
         self.rank = mesh.get_local_rank()
         self.placements: tuple[Placement, ...] = (Replicate(),) if spec.replicated else (Shard(0),)
+        self._stride = torch.empty(spec.shape, device="meta").stride()  # of the whole parameter, contiguous
         self.local = spec.take(param.detach(), self.rank)  # view of param's own storage, local_shape(rank)
         converts = master_dtype is not None and master_dtype != param.dtype
         self.master = self.local.to(master_dtype, copy=True) if converts else self.local
@@ -42,9 +43,8 @@ class ShardedParam:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """A DTensor of this parameter's global shape around ``local``, this rank's part of it."""
-        stride = torch.empty(self.spec.shape, device="meta").stride()
         return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.spec.shape, stride=stride
+            local, self.mesh, self.placements, run_check=False, shape=self.spec.shape, stride=self._stride
         )
 
     def set_grad_storage(self, local_grad: torch.Tensor) -> None:
