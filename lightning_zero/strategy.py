@@ -3,6 +3,7 @@ and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3`
 
 from __future__ import annotations
 
+import atexit
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -51,6 +52,14 @@ from lightning_zero._stage3 import ShardedModule, check_even_batches, check_plai
 from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+@atexit.register
+def _close_process_group() -> None:
+    """Lightning leaves the process group open after `fit`; torn down only by interpreter exit, gloo's worker threads
+    can be destroyed still joinable ("terminate called without an active exception"). Close it first."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights
 ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
 
