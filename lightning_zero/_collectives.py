@@ -54,6 +54,9 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
             return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
         size, me = group.size(), group.rank()
         chunks = buffer.view(size, -1)
+        if size == 1:  # one rank (offloading on a single device): nothing to exchange
+            output.copy_(chunks[0])
+            return Exchange([])
         others = [r for r in range(size) if r != me]
         # The first peer's chunk lands in ``output`` itself; only ranks beyond two need extra room.
         landing = [output, *torch.empty(len(others) - 1, output.numel(), dtype=output.dtype, device=output.device)]
@@ -82,6 +85,8 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
         size, me = group.size(), group.rank()
         rows = output.view(size, -1)
         rows[me].copy_(chunk)
+        if size == 1:
+            return Exchange([])
         ops = []
         for peer in range(size):
             if peer != me:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 
 import torch
 
+from lightning_zero._offload import OffloadTarget, check_directory
 from lightning_zero._wrap import ModulePolicy, RepeatedEntries, resolve_policy
 
 
@@ -49,6 +51,28 @@ class ZeroConfig:
     """Stages 2 and 3: dtype gradients are reduced in; ``torch.float32`` for accuracy with a 16-bit module.
     ``None``: the parameters' dtype, half the traffic."""
 
+    offload_optimizer: OffloadTarget = OffloadTarget.DEVICE
+    """Where the fp32 masters, optimizer state and optimizer step live: on the device, on the host (``"cpu"``), or on
+    the host with the optimizer state in memory-mapped files under ``offload_dir`` (``"disk"``). In stage 3 the shards
+    are the optimizer's parameters, so they and their gradients move to the host with it."""
+
+    offload_parameters: bool = False
+    """Stage 3: keep the parameter shards on the host; each unit comes to the device only while it is gathered. The
+    optimizer then steps on the host too (it updates those shards)."""
+
+    offload_dir: Path | None = None
+    """The directory of ``offload_optimizer="disk"``: a local disk with room for this node's optimizer state."""
+
+    pin_memory: bool = True
+    """Page-lock host copies of a CUDA module's state, so transfers run asynchronously at full speed."""
+
+    @property
+    def offload(self) -> OffloadTarget:
+        """Where the optimizer lives, ``offload_parameters`` included (it takes the optimizer to the host)."""
+        if self.offload_parameters and self.offload_optimizer is OffloadTarget.DEVICE:
+            return OffloadTarget.CPU
+        return self.offload_optimizer
+
     @classmethod
     def from_options(
         cls,
@@ -60,6 +84,10 @@ class ZeroConfig:
         activation_checkpointing: object = None,
         master_weights: object = False,
         reduce_dtype: object = None,
+        offload_optimizer: object = False,
+        offload_parameters: object = False,
+        offload_dir: object = None,
+        pin_memory: object = True,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
@@ -94,6 +122,30 @@ class ZeroConfig:
                 "`reduce_dtype` applies to the gradient shards of stages 2 and 3; stage 1 keeps full gradients in the"
                 " parameters' dtype. HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
             )
+        offload = _resolve_offload(offload_optimizer)
+        if not isinstance(offload_parameters, bool):
+            raise ValueError(f"`offload_parameters={offload_parameters!r}` must be True or False.")
+        if offload_parameters and stage != Stage.PARAMETERS:
+            raise ValueError(
+                f"`offload_parameters=True` moves the parameter shards of stage 3 to the host; stage {stage} keeps full"
+                " parameters on the device. HINT: use `Zero3Strategy` (or `\"zero3_offload\"`), or offload only the"
+                " optimizer with `offload_optimizer=True`."
+            )
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"`pin_memory={pin_memory!r}` must be True or False.")
+        directory = None
+        if offload is OffloadTarget.DISK:
+            if not isinstance(offload_dir, (str, Path)) or not str(offload_dir):
+                raise ValueError(
+                    f"`offload_optimizer='disk'` keeps optimizer state in files, but `offload_dir={offload_dir!r}`."
+                    " HINT: pass `offload_dir` as the path of a directory on a local disk (e.g. an NVMe drive)."
+                )
+            directory = check_directory("offload_dir", Path(offload_dir))
+        elif offload_dir is not None:
+            raise ValueError(
+                f"`offload_dir={offload_dir!r}` is used only by `offload_optimizer='disk'`."
+                " HINT: pass `offload_optimizer='disk'` as well, or drop `offload_dir`."
+            )
         return cls(
             stage=Stage(stage),
             bucket_cap_mb=float(bucket_cap_mb),
@@ -102,6 +154,10 @@ class ZeroConfig:
             activation_checkpointing=checkpointing,
             master_weights=master_weights,
             reduce_dtype=dtype,
+            offload_optimizer=offload,
+            offload_parameters=offload_parameters,
+            offload_dir=directory,
+            pin_memory=pin_memory,
         )
 
     @property
@@ -122,3 +178,17 @@ def _resolve_dtype(value: object) -> torch.dtype | None:
     if isinstance(value, str) and value.removeprefix("torch.") in _REDUCE_DTYPES:
         return _REDUCE_DTYPES[value.removeprefix("torch.")]
     raise ValueError(f"`reduce_dtype={value!r}` is not a dtype to reduce in. HINT: use one of {list(_REDUCE_DTYPES)}.")
+
+
+def _resolve_offload(value: object) -> OffloadTarget:
+    match value:
+        case False | None | "none":
+            return OffloadTarget.DEVICE
+        case True | "cpu":
+            return OffloadTarget.CPU
+        case "disk" | "nvme":
+            return OffloadTarget.DISK
+    raise ValueError(
+        f"`offload_optimizer={value!r}` is not a place for the optimizer. HINT: use False, True (or \"cpu\") for host"
+        " memory, or \"disk\" with `offload_dir` for memory-mapped files."
+    )

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_zero._gather import ParamGatherer
 from lightning_zero._layout import ShardSpec
 from lightning_zero._loss_scaler import LossScaler
+from lightning_zero._offload import host_copies
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._pool import BufferPool
 from lightning_zero._reducers import GradientReducer
@@ -27,6 +28,8 @@ class EnginePrecision:
     master_dtype: torch.dtype | None = None  # the optimizer's copy of my shard, when the module is 16-bit
     reduce_dtype: torch.dtype | None = None  # of the gradient reduction, stage 2; ``None``: the parameters' dtype
     loss_scaling: bool = False  # dynamic loss scaling, for fp16 gradients
+    host: bool = False  # masters, their gradients, optimizer state and the step in host memory (offload)
+    pin_memory: bool = True  # page-lock those host tensors when the module is on a CUDA device
 
 
 def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[ShardedParam]]:
@@ -48,6 +51,23 @@ def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[S
     if current:
         buckets.append(current)
     return buckets
+
+
+def _give_masters(sharded: list[ShardedParam], precision: EnginePrecision) -> None:
+    """Separate master copies where the optimizer steps in another dtype or on the host; offloaded from a device,
+    each gets a host buffer for its reduced gradient too."""
+    if precision.host:
+        locals_ = [s.local for s in sharded]
+        pin = precision.pin_memory and any(t.device.type == "cuda" for t in locals_)
+        masters = host_copies(locals_, precision.master_dtype, pin)
+        elsewhere = [i for i, t in enumerate(locals_) if t.device.type != "cpu"]
+        grads = dict(zip(elsewhere, host_copies([masters[i] for i in elsewhere], None, pin), strict=True))
+        for index, (param, master) in enumerate(zip(sharded, masters, strict=True)):
+            param.use_master(master, grads.get(index))
+    elif precision.master_dtype is not None:
+        for param in sharded:
+            if param.local.dtype != precision.master_dtype:
+                param.use_master(param.local.to(precision.master_dtype, copy=True))
 
 
 class EngineState(Enum):
@@ -76,9 +96,9 @@ class ZeroEngine:
         world_size = self.group.size()
         precision = precision or EnginePrecision()
         trainable = [p for p in module.parameters() if p.requires_grad]  # module.parameters() dedups tied weights
-        self.sharded = [
-            ShardedParam(p, ShardSpec(p.shape, world_size), mesh, precision.master_dtype) for p in trainable
-        ]
+        self.sharded = [ShardedParam(p, ShardSpec(p.shape, world_size), mesh) for p in trainable]
+        self.host = precision.host
+        _give_masters(self.sharded, precision)
         self.by_param = {id(s.param): s for s in self.sharded}
         buckets = assign_buckets(self.sharded, bucket_bytes)
         self.pool = BufferPool()
@@ -102,7 +122,9 @@ class ZeroEngine:
                         " trainable parameter of the LightningModule. HINT: build optimizers from"
                         " `self.parameters()` (or a subset of them) in `configure_optimizers`."
                     )
-        return ZeroOptimizer(optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather, self.scaler)
+        return ZeroOptimizer(
+            optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather, self.scaler, host=self.host
+        )
 
     def module_from_masters(self) -> None:
         """Make the module's full parameters current from every rank's masters (after loading into them)."""

@@ -11,6 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero._loss_scaler import LossScaler, StepVerdict
+from lightning_zero._offload import host_kernels
 from lightning_zero._reducers import GradHome
 from lightning_zero._sharded_param import ShardedParam
 
@@ -45,6 +46,8 @@ class ZeroOptimizer(Optimizer):
         grad_home: GradHome,
         gather: Callable[[set[int]], None],
         scaler: LossScaler | None = None,
+        *,
+        host: bool = False,
     ) -> None:
         # The base constructor is skipped on purpose: this object owns no parameters of its own.
         self.optimizer = optimizer
@@ -57,6 +60,7 @@ class ZeroOptimizer(Optimizer):
         self._grad_home = grad_home
         self._gather = gather
         self._scaler = scaler
+        self._host = host  # offloaded: the step runs on host masters, with torch's fused CPU kernels where it has them
         self._module_groups = [list(group["params"]) for group in optimizer.param_groups]
         # the same groups with every sharded parameter replaced by its shard (frozen ones stay as they are)
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
@@ -98,14 +102,15 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
         if not skip:
-            with self.shards_installed(), _multi_tensor(self._foreach_groups):
+            kernels = host_kernels(self.optimizer.param_groups) if self._host else _multi_tensor(self._foreach_groups)
+            with self.shards_installed(), kernels:
                 self.optimizer.step()
             if self._masters or self._scaler is not None:
                 for sharded in self.sharded:
                     sharded.release_grad_copy()
             with torch.no_grad():
-                if self._masters:
-                    torch._foreach_copy_(self._module_rows, self._masters)
+                if self._masters:  # from the host: asynchronous, ordered before the gather on the device's stream
+                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=self._host)
                 self._gather(self._shard_ids)
         if self._scaler is not None:
             self._scaler.update()

@@ -100,6 +100,9 @@ class GradientReducer:
         # Gradients handed to the optimizer as copies (another dtype, or unscaled) no longer alias ``param.grad``.
         copies = scaler is not None or any(s.has_master for b in buckets for s in b)
         self.grad_home = GradHome.SHARD if copies else type(self).grad_home
+        # Offloaded from a CUDA device: gradients are copied to host buffers asynchronously as they are published.
+        to_host = [s for b in buckets for s in b if s.grad_to_host]
+        self._host_copies_on = to_host[0].param.device if to_host else None
         self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
         self.group = group
         self.world_size = group.size()
@@ -189,6 +192,8 @@ class GradientReducer:
                 self._wait(bucket)
                 self._publish(bucket)
                 bucket.reset()
+            if self._host_copies_on is not None:  # the host reads them next (unscale, clipping, the step)
+                torch.cuda.current_stream(self._host_copies_on).synchronize()
             if self.scaler is not None:
                 self.scaler.unscale_(self._published)
         self._published = []

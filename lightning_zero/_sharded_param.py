@@ -18,12 +18,11 @@ class ShardedParam:
     the optimizer's in-place update writes straight into the module, and only the other ranks' rows travel after the
     step. With one (the ZeRO mixed-precision mode: 16-bit module, fp32 optimizer), ``master`` is a copy of those rows
     in that dtype, and exists for this rank's rows only. Per-parameter maths in an optimizer (a trust ratio's norms,
-    say) sees the whole parameter through DTensor's reductions.
+    say) sees the whole parameter through DTensor's reductions. Offloaded, ``master`` lives on the host
+    (see :mod:`lightning_zero._offload`), with a host buffer for the reduced gradient when the module is elsewhere.
     """
 
-    def __init__(
-        self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh, master_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh) -> None:
         self.param = param
         self.spec = spec
         self.mesh = mesh
@@ -31,11 +30,20 @@ class ShardedParam:
         self.placements: tuple[Placement, ...] = (Replicate(),) if spec.replicated else (Shard(0),)
         self._stride = torch.empty(spec.shape, device="meta").stride()  # of the whole parameter, contiguous
         self.local = spec.take(param.detach(), self.rank)  # view of param's own storage, local_shape(rank)
-        converts = master_dtype is not None and master_dtype != param.dtype
-        self.master = self.local.to(master_dtype, copy=True) if converts else self.local
+        self.master = self.local
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
         self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
         self._grad_view: DTensor | None = None  # a DTensor over ``grad_storage`` when the optimizer can use it as is
+        self._host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient is copied for the step
+        self._host_grad_view: DTensor | None = None
+
+    def use_master(self, master: torch.Tensor, host_grad: torch.Tensor | None = None) -> None:
+        """Let the optimizer step on ``master``, a copy of ``local`` in another dtype or on the host, instead of the
+        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host."""
+        self.master = master
+        self.shard = nn.Parameter(self.wrap(master), requires_grad=self.param.requires_grad)
+        self._host_grad = host_grad
+        self._host_grad_view = None if host_grad is None else self.wrap(host_grad)
 
     @property
     def has_master(self) -> bool:
@@ -47,14 +55,24 @@ class ShardedParam:
             local, self.mesh, self.placements, run_check=False, shape=self.spec.shape, stride=self._stride
         )
 
+    @property
+    def grad_to_host(self) -> bool:
+        return self._host_grad is not None
+
     def set_grad_storage(self, local_grad: torch.Tensor) -> None:
         self.grad_storage = local_grad
-        self._grad_view = self.wrap(local_grad) if local_grad.dtype == self.master.dtype else None
+        usable = (local_grad.dtype, local_grad.device) == (self.master.dtype, self.master.device)
+        self._grad_view = self.wrap(local_grad) if usable else None
 
     def publish_grad(self, copy: bool) -> torch.Tensor:
         """Hand the reduced gradient to the optimizer, as a view of its storage or, when ``copy`` (the caller will
-        unscale it in place) or the master dtype differs, as a copy in the master dtype. Returns its local tensor."""
+        unscale it in place) or the master dtype differs, as a copy in the master dtype; offloaded to the host, into
+        its host buffer, asynchronously (the reducer waits for the copies). Returns its local tensor."""
         assert self.grad_storage is not None
+        if self._host_grad is not None:
+            self._host_grad.copy_(self.grad_storage, non_blocking=True)
+            self.shard.grad = self._host_grad_view
+            return self._host_grad
         if self._grad_view is not None and not copy:
             self.shard.grad = self._grad_view
             return self.grad_storage

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import _collectives as comm
@@ -67,15 +67,19 @@ class ShardedModule:
         units: list[nn.Module],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self.module = module
         self.group: ProcessGroup = mesh.get_group()
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
-        ignored = set(self.replicated)
-        mp_policy = mp_policy or MixedPrecisionPolicy()
+        policies = {
+            "ignored_params": set(self.replicated),
+            "mp_policy": mp_policy or MixedPrecisionPolicy(),
+            "offload_policy": offload_policy or OffloadPolicy(),  # a CPUOffloadPolicy keeps the shards on the host
+        }
         for unit in units:  # deepest first
-            fully_shard(unit, mesh=mesh, ignored_params=ignored, mp_policy=mp_policy)
-        fully_shard(module, mesh=mesh, ignored_params=ignored, mp_policy=mp_policy)
+            fully_shard(unit, mesh=mesh, **policies)
+        fully_shard(module, mesh=mesh, **policies)
         if dist.get_backend(self.group) == "gloo" and AllGather is not None:  # gloo's move more data than needed
             for fsdp_module in (*units, module):
                 assert isinstance(fsdp_module, FSDPModule)

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -45,6 +45,7 @@ from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._engine import EnginePrecision, EngineState, ZeroEngine
 from lightning_zero._launcher import FullWeightsLauncher
 from lightning_zero._meta_init import MetaInit, materialize
+from lightning_zero._offload import DiskState, OffloadTarget, host_kernels
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
@@ -91,6 +92,16 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: any stage, which submodules recompute their activations in backward (non-reentrant
             checkpointing): module classes, import paths, a parameter count or a callable as above, or ``True`` for
             the modules the wrap policy picks.
+        master_weights: ZeRO mixed precision: fp32 master shards for a 16-bit module (``precision="bf16-true"``).
+        reduce_dtype: stages 2 and 3, the dtype gradients are reduced in (``"float32"`` with a 16-bit module).
+        offload_optimizer: ``True`` (or ``"cpu"``): fp32 masters, optimizer state and the optimizer step live in host
+            memory (pinned on CUDA); gradients are copied there as they are reduced and the updated shards come
+            back. ``"disk"``: the same, with the optimizer state in memory-mapped files under ``offload_dir``. In
+            stage 3 the parameter shards are the optimizer's, so they live on the host too. Also on one device.
+        offload_parameters: stage 3, keep the parameter shards on the host, each unit brought to the device only while
+            it is gathered (implies the optimizer on the host).
+        offload_dir: the directory of ``offload_optimizer="disk"``, on a local disk with room for the state.
+        pin_memory: page-lock the host copies of a CUDA module's state (faster, asynchronous transfers).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -107,6 +118,10 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: bool | ModuleOption = None,
         master_weights: bool = False,
         reduce_dtype: str | torch.dtype | None = None,
+        offload_optimizer: bool | Literal["cpu", "disk"] = False,
+        offload_parameters: bool = False,
+        offload_dir: str | Path | None = None,
+        pin_memory: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -121,7 +136,8 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(
                 f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
                 " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy`, `activation_checkpointing`,"
-                " `master_weights` and `reduce_dtype`; the rest are those of Lightning's `DDPStrategy`."
+                " `master_weights`, `reduce_dtype`, `offload_optimizer`, `offload_parameters`, `offload_dir` and"
+                " `pin_memory`; the rest are those of Lightning's `DDPStrategy`."
             )
         if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
             raise ValueError(
@@ -136,6 +152,10 @@ class ZeroStrategy(DDPStrategy):
             activation_checkpointing=activation_checkpointing,
             master_weights=master_weights,
             reduce_dtype=reduce_dtype,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            offload_dir=offload_dir,
+            pin_memory=pin_memory,
         )
         super().__init__(
             accelerator=accelerator,
@@ -151,10 +171,26 @@ class ZeroStrategy(DDPStrategy):
         self._sharded: ShardedModule | None = None  # stage 3 on more than one rank
         self._meta_init = MetaInit()
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
+        self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
 
     @property
     def stage(self) -> Stage:
         return self.config.stage
+
+    @property
+    def _sharding(self) -> bool:
+        """Whether ZeRO's machinery runs: on several ranks, or on one device to offload to the host. Otherwise the
+        module trains plainly, with the optimizer as configured and no collectives."""
+        return self.world_size > 1 or self.config.offload is not OffloadTarget.DEVICE
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        # Offloaded from CUDA, some collectives carry host tensors (clipping norms, the overflow vote): gloo takes
+        # those, NCCL the device ones.
+        offloads_from_cuda = self.config.offload is not OffloadTarget.DEVICE and self.root_device.type == "cuda"
+        if self._process_group_backend is None and offloads_from_cuda:
+            return "cpu:gloo,cuda:nccl"
+        return super()._get_process_group_backend()
 
     @property
     @override
@@ -199,7 +235,7 @@ class ZeroStrategy(DDPStrategy):
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
         match self.stage:
-            case Stage.PARAMETERS if self.world_size > 1:
+            case Stage.PARAMETERS if self._sharding:
                 self._shard_parameters()
             case _:
                 self.model_to_device()
@@ -227,9 +263,17 @@ class ZeroStrategy(DDPStrategy):
         # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
         _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
         units = choose_units(module, self.config.auto_wrap_policy)
-        self._sharded = ShardedModule(module, mesh, units, self.root_device, self._stage3_precision(module))
+        precision, offload = self._stage3_precision(module), self._stage3_offload()
+        self._sharded = ShardedModule(module, mesh, units, self.root_device, precision, offload)
         materialize(module, resets, self.root_device, self._sharded.group)
         self._buffers_due = True
+
+    def _stage3_offload(self) -> OffloadPolicy | None:
+        """The shards are the optimizer's parameters: offloading either keeps them, their gradients and the optimizer
+        state on the host (``fully_shard``'s CPU offload), and the step runs there."""
+        if self.config.offload is OffloadTarget.DEVICE:
+            return None
+        return CPUOffloadPolicy(pin_memory=self.config.pin_memory and self.root_device.type == "cuda")
 
     def _stage3_precision(self, module: torch.nn.Module) -> MixedPrecisionPolicy | None:
         """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) become fp32 while
@@ -255,12 +299,16 @@ class ZeroStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             _check_optimizer(optimizer)
         self._remove_engine()
-        if self.world_size == 1 and self.config.master_weights:
+        if not self._sharding and self.config.master_weights:
             raise ValueError(
                 "`master_weights=True` shards fp32 master weights across ranks; this run has one."
-                " HINT: on one device use `Trainer(precision='bf16-mixed')`, which keeps fp32 weights."
+                " HINT: on one device use `Trainer(precision='bf16-mixed')`, which keeps fp32 weights, or offload"
+                " the masters to the host with `offload_optimizer=True`."
             )
-        if self.world_size == 1 or self.stage is Stage.PARAMETERS:
+        if self.config.offload is OffloadTarget.DISK:
+            assert self.config.offload_dir is not None
+            self._disk = DiskState(self.config.offload_dir, self.global_rank)
+        if not self._sharding or self.stage is Stage.PARAMETERS:
             return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
@@ -271,6 +319,20 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.zero_loss_scaler = self._engine.scaler
         self._buffers_due = True
         self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
+        and disk-offloaded state created or replaced by the step moves into its files."""
+        host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
+        groups = _unwrap(optimizer).param_groups if host_step else []
+        with host_kernels(groups):
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._disk is not None:
+            self._disk.adopt(_unwrap(optimizer))
+        return output
 
     def _engine_precision(self, module: torch.nn.Module) -> EnginePrecision:
         """The dtypes the engine adds to the module's. Loss scaling is the engine's wherever fp16 gradients end up in
@@ -291,6 +353,8 @@ class ZeroStrategy(DDPStrategy):
             master_dtype=self.config.master_dtype,
             reduce_dtype=self.config.reduce_dtype,
             loss_scaling=fp16_master or takes_over_scaler,
+            host=self.config.offload is not OffloadTarget.DEVICE,
+            pin_memory=self.config.pin_memory,
         )
 
     @contextmanager
@@ -516,7 +580,8 @@ class ZeroStrategy(DDPStrategy):
             yield
 
     def _parameters_on_meta(self, enabled: bool) -> AbstractContextManager[None]:
-        if enabled and self.stage is Stage.PARAMETERS and self.num_nodes * self.num_processes > 1:
+        several = self.num_nodes * self.num_processes > 1
+        if enabled and self.stage is Stage.PARAMETERS and (several or self.config.offload is not OffloadTarget.DEVICE):
             return self._meta_init()
         return nullcontext()
 
@@ -529,6 +594,9 @@ class ZeroStrategy(DDPStrategy):
             # Stage 3 keeps SyncBatchNorm after `fit`: `fully_shard` manages those layers' parameters, and swapping
             # the layers back to BatchNorm would leave the parameters on modules it no longer sees.
             self._layer_sync = None
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
         super().teardown()
 
     def _remove_engine(self) -> None:
@@ -547,6 +615,21 @@ class ZeroStrategy(DDPStrategy):
                 description=f"ZeRO stage {stage}: {strategy.__doc__.splitlines()[0]}",
                 override=True,
             )
+        strategy_registry.register(
+            "zero2_offload",
+            Zero2Strategy,
+            description="ZeRO stage 2 with optimizer state and step in host memory",
+            override=True,
+            offload_optimizer=True,
+        )
+        strategy_registry.register(
+            "zero3_offload",
+            Zero3Strategy,
+            description="ZeRO stage 3 with parameter shards, optimizer state and step in host memory",
+            override=True,
+            offload_optimizer=True,
+            offload_parameters=True,
+        )
 
 
 class Zero1Strategy(ZeroStrategy):
@@ -565,6 +648,13 @@ class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
 
     default_stage = Stage.PARAMETERS
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    """The optimizer itself, out of Lightning's and this package's wrappers."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    return optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
 
 
 def _check_optimizer(optimizer: object) -> None:

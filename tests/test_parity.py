@@ -2,9 +2,11 @@
 3 CPU processes under each strategy, must end with the same parameters, buffers, optimizer state and losses.
 
 Tolerance (fp32): the strategies sum the same per-rank gradients in a different order (bucketed all-reduce vs
-reduce-scatter, division before or after the sum), which moves results by a few ulps (~1e-7 relative) per step;
-Adam's normalised update and six steps keep that far below ``rtol=1e-4, atol=1e-5``. Anything wrong in sharding,
-gathering or reduction shows up orders of magnitude above it.
+reduce-scatter, division before or after the sum), which moves results by a few ulps (~1e-7 relative) per step.
+Adam normalises each element's update to about ``lr`` (1e-2 here), so for the rare element whose gradient sits at the
+noise floor those ulps can move the update by a relative 1e-3 (1e-5 absolute, seen on 3 ranks with a 65k-element
+weight): hence ``atol=5e-5``, still 200 times below a single step of ``lr``. Anything wrong in sharding, gathering or
+reduction moves parameters by whole steps, orders of magnitude above it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from tests.launch import run_scenarios
 
-RTOL, ATOL = 1e-4, 1e-5
+RTOL, ATOL = 1e-4, 5e-5
 ZERO = ["zero1", "zero2"]
 
 

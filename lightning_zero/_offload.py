@@ -1,0 +1,159 @@
+"""Offload: the optimizer's side of training kept in host memory, or its state on disk, when device memory is short.
+
+Vocabulary:
+
+- **host**: CPU memory. With a CUDA module it is pinned (page-locked), so copies to and from the device run
+  asynchronously at full bus speed.
+- **master**: the optimizer's copy of this rank's shard of a parameter (see :class:`ShardedParam`). Offloaded, the
+  masters, a host copy of each reduced gradient shard and the optimizer state live on the host, and the optimizer
+  steps there; only the updated shard travels back to the device.
+- **disk state**: optimizer state tensors backed by memory-mapped files in the offload directory. Each file's space
+  is reserved when it is created, so a full disk fails there, with an error naming the directory, and never in a
+  later write-back; after every step the pages are dropped from the process, so resident memory holds the state
+  only while a step touches it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+
+class OffloadError(RuntimeError):
+    """The offload directory cannot hold what it must."""
+
+
+class OffloadTarget(Enum):
+    """Where the optimizer's state and step live."""
+
+    DEVICE = "device"  # with the parameters: no offload
+    CPU = "cpu"  # masters, gradient copies, optimizer state and the step in host memory
+    DISK = "disk"  # as CPU, with the optimizer state in memory-mapped files under the offload directory
+
+
+def check_directory(option: str, directory: Path) -> Path:
+    """``directory`` must exist and take new files, or training would fail (or lose state) later."""
+    if not directory.is_dir():
+        raise OffloadError(
+            f"`{option}={str(directory)!r}` is not an existing directory. HINT: create it (`mkdir -p {directory}`)"
+            " or point it at a directory on a local disk with room for the optimizer state."
+        )
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_zero-probe-"):
+            pass
+    except OSError as error:
+        raise OffloadError(
+            f"`{option}={str(directory)!r}` is not writable: {error.strerror}. HINT: choose a directory this process"
+            " can create files in."
+        ) from error
+    return directory
+
+
+def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: bool) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (in ``dtype``, or each one's own), carved out of one flat allocation per dtype: a
+    single pinned block rather than one per tensor, which the pinned allocator would round up to a power of two."""
+    copies: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(dtype or tensor.dtype, []).append(index)
+    for same_dtype, indices in by_dtype.items():
+        numels = [tensors[i].numel() for i in indices]
+        flat = torch.empty(sum(numels), dtype=same_dtype, device="cpu", pin_memory=pin)
+        for index, part in zip(indices, flat.split(numels), strict=True):
+            source = tensors[index]
+            copies[index] = part.view(source.shape).copy_(source)
+    return copies  # type: ignore[return-value]
+
+
+@contextmanager
+def host_kernels(groups: Iterable[dict[str, Any]]) -> Generator[None, None, None]:
+    """Step the groups that left the implementation to torch with its fused CPU kernels where the optimizer has
+    them (Adam, AdamW, SGD, Adagrad), else the multi-tensor ones: torch's default on the host is a loop over
+    parameters. Same maths; the groups as configured (and as saved) keep their settings."""
+    chosen = []
+    for group in groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            key = "fused" if "fused" in group else "foreach"
+            chosen.append((group, key, group.get(key)))
+            group[key] = True
+    try:
+        yield
+    finally:
+        for group, key, value in chosen:
+            group[key] = value
+
+
+class DiskState:
+    """Optimizer state in memory-mapped files under ``directory``, one file per state tensor.
+
+    :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
+    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory.
+    """
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.directory = directory
+        self.root = Path(tempfile.mkdtemp(prefix=f"lightning_zero-rank{rank}-", dir=directory))
+        self._maps: list[mmap.mmap] = []
+        self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def adopt(self, optimizer: Optimizer) -> None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
+                    continue  # step counters stay in memory; an empty shard needs no file
+                if local.data_ptr() not in self._mapped:
+                    state[key] = self._to_file(value, local)
+        self.release()
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process; the data stays in the files (and the page cache)."""
+        for mapping in self._maps:
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Delete the files; tensors still mapped keep their pages until they are freed."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        nbytes = local.numel() * local.element_size()
+        path = self.root / f"{len(self._maps)}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise OffloadError(
+                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}` ({path.name}):"
+                f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
+                " `offload_dir` at a larger one."
+            ) from error
+        finally:
+            os.close(fd)
+        mapped = torch.frombuffer(mapping, dtype=local.dtype, count=local.numel()).view(local.shape)
+        mapped.copy_(local)
+        self._maps.append(mapping)
+        self._mapped.add(mapped.data_ptr())
+        self._bytes += nbytes
+        if not isinstance(value, DTensor):
+            return mapped
+        return DTensor.from_local(
+            mapped, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
