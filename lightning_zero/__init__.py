@@ -1,6 +1,7 @@
 """ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies.
 
-``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"`` and ``"zero3"``, so
+``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and
+``"zero3_offload"``, so
 ``Trainer(strategy="zero3")`` works; the classes can also be passed directly or named as ``class_path`` in a
 LightningCLI config.
 """
@@ -8,11 +9,13 @@ LightningCLI config.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero._distributed_checkpoint import CheckpointError
+from lightning_zero._offload import OffloadError
 from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
 
 __all__ = [
     "CheckpointError",
+    "OffloadError",
     "Zero1Strategy",
     "Zero2Strategy",
     "Zero3Strategy",

@@ -34,7 +34,8 @@ class ParamGatherer:
         self.rank = group.rank()
         self.pool = pool
         self.buckets = [GatherBucket(params, self.world_size) for params in buckets]
-        self.buckets = [b for b in self.buckets if b.params]
+        # one rank (offloading on a single device) owns every row: nothing travels
+        self.buckets = [b for b in self.buckets if b.params and self.world_size > 1]
 
     def gather(self, only: set[int] | None = None) -> None:
         """All-gather the buckets holding a shard whose ``id`` is in ``only`` (every bucket when ``None``)."""

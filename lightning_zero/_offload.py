@@ -19,11 +19,10 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -76,21 +75,23 @@ def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: boo
     return copies  # type: ignore[return-value]
 
 
+_FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)  # fused kernels that DTensor shards dispatch
+
+
 @contextmanager
-def host_kernels(groups: Iterable[dict[str, Any]]) -> Generator[None, None, None]:
+def host_kernels(optimizer: Optimizer) -> Generator[None, None, None]:
     """Step the groups that left the implementation to torch with its fused CPU kernels where the optimizer has
-    them (Adam, AdamW, SGD, Adagrad), else the multi-tensor ones: torch's default on the host is a loop over
+    them for shards (Adam, AdamW), else the multi-tensor ones: torch's default on the host is a loop over
     parameters. Same maths; the groups as configured (and as saved) keep their settings."""
-    chosen = []
-    for group in groups:
-        if group.get("foreach") is None and not group.get("fused"):
-            key = "fused" if "fused" in group else "foreach"
-            chosen.append((group, key, group.get(key)))
-            group[key] = True
+    key = "fused" if isinstance(optimizer, _FUSED_ON_SHARDS) else "foreach"
+    chosen = [g for g in optimizer.param_groups if g.get("foreach") is None and not g.get("fused") and key in g]
+    previous = [group[key] for group in chosen]
+    for group in chosen:
+        group[key] = True
     try:
         yield
     finally:
-        for group, key, value in chosen:
+        for group, value in zip(chosen, previous, strict=True):
             group[key] = value
 
 

@@ -102,7 +102,7 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
         if not skip:
-            kernels = host_kernels(self.optimizer.param_groups) if self._host else _multi_tensor(self._foreach_groups)
+            kernels = host_kernels(self.optimizer) if self._host else _multi_tensor(self._foreach_groups)
             with self.shards_installed(), kernels:
                 self.optimizer.step()
             if self._masters or self._scaler is not None:

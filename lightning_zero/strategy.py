@@ -327,8 +327,7 @@ class ZeroStrategy(DDPStrategy):
         """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
         and disk-offloaded state created or replaced by the step moves into its files."""
         host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
-        groups = _unwrap(optimizer).param_groups if host_step else []
-        with host_kernels(groups):
+        with host_kernels(_unwrap(optimizer)) if host_step else nullcontext():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._disk is not None:
             self._disk.adopt(_unwrap(optimizer))

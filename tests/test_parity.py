@@ -89,6 +89,12 @@ def compare_optimizer_states(actual: dict[str, Any], expected: dict[str, Any], w
 @pytest.mark.parametrize("strategy", ZERO)
 def test_matches_ddp(results: list[dict[Any, Any]], name: str, strategy: str) -> None:
     spec = next(s for s in SCENARIOS if s["name"] == name)
+    compare_runs(results, spec, strategy)
+
+
+def compare_runs(results: list[dict[Any, Any]], spec: dict[str, Any], strategy: str) -> None:
+    """Every rank's run of ``spec`` under ``strategy`` ended like its run under the scenario's first strategy."""
+    name = spec["name"]
     for rank, per_rank in enumerate(results):
         expected, actual = per_rank[(name, spec["strategies"][0])], per_rank[(name, strategy)]
         what = f"{name}/{strategy}/rank{rank}"

@@ -1,0 +1,239 @@
+"""Offload against the oracles: the same seeded module, written for DDP, trained on CPU processes with the optimizer
+(and in stage 3 the parameter shards) in host memory or its state on disk, must end like ``"ddp"`` and like the same
+stage without offload. On a CPU machine the offloaded path still runs its own code: separate host masters, the fused
+host step, memory-mapped state files.
+
+Tolerance: the offloaded step runs torch's fused CPU kernels where the in-memory one runs the multi-tensor kernels,
+the same formulas evaluated in another order (about 1 ulp per step, 6e-8 seen), far inside the parity tolerance of
+tests/test_parity.py, which compares the gradient reductions' own ulps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy
+from lightning_zero._offload import OffloadTarget
+from tests.launch import REPO, launch, run_scenarios
+from tests.test_parity import close, compare_runs
+from tests.test_precision import TOLERANCE
+
+DISK = "offload_optimizer=disk,offload_dir=@"  # @: the test's own directory
+
+
+def scenarios() -> list[dict[str, Any]]:
+    disk = DISK
+    return [
+        {
+            "name": "adam",
+            "module": "classifier",
+            "strategies": [
+                "ddp",
+                "zero1:offload_optimizer=true",
+                "zero2_offload",
+                f"zero2:{disk}",
+                "zero3:offload_optimizer=true",
+                "zero3_offload",
+                f"zero3:{disk}",
+            ],
+        },
+        {
+            "name": "clip_accumulate",
+            "module": "classifier",
+            "trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+            "max_steps": 4,
+            "strategies": ["ddp", "zero1:offload_optimizer=true", "zero2_offload", "zero3_offload"],
+        },
+        {  # momentum state and the scheduler go through a checkpoint; resumed in a fresh Trainer and module
+            "name": "sgd_scheduler_resume",
+            "module": "classifier",
+            "module_kwargs": {"optimizer": "sgd", "scheduler": "step", "config_style": "dict"},
+            "resume_at": 12,
+            "max_steps": 14,
+            "strategies": ["ddp", "zero2_offload", f"zero2:{disk}", "zero3_offload"],
+        },
+        {"name": "manual", "module": "manual", "strategies": ["ddp", "zero2_offload", "zero3_offload"]},
+        {  # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
+            "name": "bf16_masters_zero2",
+            "module": "classifier",
+            "trainer_kwargs": {"precision": "bf16-true"},
+            "strategies": ["zero2:master_weights=true", "zero2:master_weights=true,offload_optimizer=true"],
+        },
+        {
+            "name": "bf16_masters_zero3",
+            "module": "classifier",
+            "trainer_kwargs": {"precision": "bf16-true"},
+            "strategies": ["zero3:master_weights=true", "zero3:master_weights=true,offload_optimizer=true"],
+        },
+    ]
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    """Each rank's results, keyed by scenario name and strategy as written in ``scenarios()``."""
+    tmp = tmp_path_factory.mktemp("offload")
+    state_dir = tmp / "state"
+    state_dir.mkdir()
+    specs = scenarios()
+    for spec in specs:
+        spec["strategies"] = [s.replace("@", str(state_dir)) for s in spec["strategies"]]
+    results = run_scenarios(specs, 2, tmp)
+    assert not any(state_dir.iterdir()), "state files outlived training"
+    return [{(name, s.replace(str(state_dir), "@")): run for (name, s), run in r.items()} for r in results]
+
+
+PAIRS = [(s["name"], strategy) for s in scenarios() for strategy in s["strategies"][1:]]
+
+
+@pytest.mark.parametrize(("name", "strategy"), PAIRS)
+def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strategy: str) -> None:
+    results = offload_runs
+    spec = next(s for s in scenarios() if s["name"] == name)
+    if "bf16" not in name:
+        compare_runs(results, spec, strategy)
+        return
+    # 16-bit module weights round the (equal within ulps) fp32 masters; the masters themselves compare in fp32
+    rtol, atol = TOLERANCE["bf16-true"]
+    for rank, per_rank in enumerate(results):
+        expected, actual = per_rank[(name, spec["strategies"][0])], per_rank[(name, strategy)]
+        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{name}/rank{rank} losses")
+        for key, value in expected["state_dict"].items():
+            torch.testing.assert_close(actual["state_dict"][key].float(), value.float(), rtol=rtol, atol=atol)
+        for got, want in zip(actual.get("masters", []), expected.get("masters", []), strict=True):
+            close(got, want, f"{name}/rank{rank} master")
+
+
+def test_stage_1_2_step_on_separate_host_masters(offload_runs: list[dict[Any, Any]]) -> None:
+    """Guards the oracle on a CPU machine: the offloaded runs kept master copies apart from the module's weights
+    (an fp32 module, so only offloading makes them), and the module's weights are those masters, gathered."""
+    from tests.workers.modules import Classifier
+
+    results = offload_runs
+    names = [name for name, _ in Classifier().named_parameters()]
+    for strategy in ("zero1:offload_optimizer=true", "zero2_offload"):
+        run = results[0][("adam", strategy)]
+        assert run["model_state"].master_weights > 0, strategy
+        for name, master in zip(names, run["masters"], strict=True):
+            assert torch.equal(master, run["state_dict"][name]), f"{strategy}: {name}"
+
+
+def test_one_device_offloads(tmp_path: Path) -> None:
+    """On one device offload still runs (that is what it is for): same result as plain training, host masters."""
+    strategies = ["ddp", "zero1:offload_optimizer=true", "zero2_offload", "zero3_offload"]
+    spec = {"name": "adam", "module": "classifier", "strategies": strategies}
+    results = run_scenarios([spec], 1, tmp_path)
+    for strategy in strategies[1:]:
+        compare_runs(results, spec, strategy)
+    assert results[0][("adam", "zero2_offload")]["model_state"].master_weights > 0
+
+
+def resident(strategy: str, tmp_path: Path, offload_dir: Path) -> list[dict[str, Any]]:
+    out = tmp_path / strategy.split(":")[0] / str(len(list(tmp_path.iterdir())))
+    out.mkdir(parents=True)
+    spec = {"strategy": strategy, "world_size": 2, "hidden": 4096, "offload_dir": str(offload_dir)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    launch("tests.workers.offload_memory", [str(out / "spec.json"), str(out)], 2)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_disk_state_is_not_resident(tmp_path: Path) -> None:
+    """After training, a rank that keeps its optimizer state on disk holds measurably less resident memory than the
+    same run with the state in host memory: the state's pages are dropped after each step."""
+    offload_dir = tmp_path / "state"
+    offload_dir.mkdir()
+    in_memory = resident("zero2:offload_optimizer=true", tmp_path, offload_dir)
+    on_disk = resident(f"zero2:{DISK.replace('@', str(offload_dir))}", tmp_path, offload_dir)
+    for rank, (memory, disk) in enumerate(zip(in_memory, on_disk, strict=True)):
+        state = memory["state_bytes"]
+        assert state == disk["state_bytes"] > 60 * 2**20  # Adam's moments of this rank's 8.4 M elements
+        assert disk["file_rss"] == 0, f"rank {rank}: {disk['file_rss']} bytes of state files still resident"
+        assert disk["rss"] < memory["rss"] - state // 2, (rank, disk["rss"], memory["rss"], state)
+        torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
+
+
+# --- options and bad input ------------------------------------------------------------------------------------------
+
+
+def test_registered_names() -> None:
+    zero2 = pl.Trainer(accelerator="cpu", devices=2, strategy="zero2_offload", logger=False).strategy
+    zero3 = pl.Trainer(accelerator="cpu", devices=2, strategy="zero3_offload", logger=False).strategy
+    assert isinstance(zero2, Zero2Strategy) and zero2.config.offload is OffloadTarget.CPU
+    assert isinstance(zero3, Zero3Strategy) and zero3.config.offload_parameters
+    assert zero3.config.offload is OffloadTarget.CPU
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stage": 2, "offload_parameters": True}, "offload_parameters=True` moves the parameter shards of stage 3"),
+        ({"stage": 2, "offload_optimizer": "gpu"}, "`offload_optimizer='gpu'` is not a place"),
+        ({"stage": 2, "offload_optimizer": "disk"}, "`offload_dir=None`"),
+        ({"stage": 2, "offload_dir": "/tmp"}, "is used only by `offload_optimizer='disk'`"),
+        ({"stage": 3, "pin_memory": "yes"}, "`pin_memory='yes'` must be True or False"),
+    ],
+)
+def test_bad_options(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        ZeroStrategy(**options)
+    assert message in str(error.value)
+
+
+def test_unusable_directories(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(OffloadError, match=f"`offload_dir='{missing}'` is not an existing directory"):
+        Zero2Strategy(offload_optimizer="disk", offload_dir=missing)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(OffloadError, match="is not an existing directory"):
+        Zero2Strategy(offload_optimizer="disk", offload_dir=a_file)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    if os.geteuid() == 0:  # root writes through permission bits; sysfs takes no new files from anyone
+        read_only = Path("/sys")
+    with pytest.raises(OffloadError, match=f"`offload_dir='{read_only}'` is not writable"):
+        Zero2Strategy(offload_optimizer="disk", offload_dir=read_only)
+
+
+def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> None:
+    """A file-size limit stands in for a full disk: reserving the state's file fails, the error names the directory,
+    and the optimizer keeps its state (the step's update) in memory."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        import torch
+        from lightning_zero._offload import DiskState, OffloadError
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        param = torch.nn.Parameter(torch.randn(1 << 19))
+        param.grad = torch.randn(1 << 19)
+        optimizer = torch.optim.Adam([param])
+        optimizer.step()
+        before = {{k: v.clone() for k, v in optimizer.state[param].items()}}
+        try:
+            DiskState(Path({str(tmp_path)!r}), rank=0).adopt(optimizer)
+        except OffloadError as error:
+            print("ERROR:", error)
+        kept = all(torch.equal(optimizer.state[param][k], v) for k, v in before.items())
+        print("KEPT:", kept)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"ERROR: Could not reserve 2097152 bytes for optimizer state in `{tmp_path}`" in done.stdout
+    assert "HINT: free space on that disk" in done.stdout
+    assert "KEPT: True" in done.stdout
