@@ -1,7 +1,8 @@
 """Sharded checkpoints: resume at other world sizes and stages, consolidation, crashes, corrupted files.
 
-Exactness: a checkpoint stores tensors bit for bit, so whatever is restored must equal what was saved exactly; only
-the comparison with DDP's independent run uses the parity tolerance of tests/test_parity.py.
+Exactness: a checkpoint stores tensors bit for bit, so whatever is restored must equal what was saved exactly, and a
+resume at the same world size that sees the same data continues bit for bit; only the comparison with DDP's independent
+run uses the parity tolerance of tests/test_parity.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._distributed_checkpoint import is_checkpoint_dir, read_meta
 from tests.launch import launch
-from tests.workers.checkpoints import MODULE_KWARGS
+from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS, MODULE_KWARGS
 from tests.workers.modules import Classifier
 
 WORKER = "tests.workers.checkpoints"
@@ -55,12 +56,36 @@ def test_restores_exactly_at_other_world_sizes_and_stages(run_dir: Path, restore
 
 
 def test_resume_from_model_checkpoint_continues_as_ddp_does(run_dir: Path) -> None:
-    """Lightning's own resume of this module is not bit-exact with an uninterrupted run, under DDP too; ZeRO must
-    continue exactly as DDP continues from its own checkpoint of the same step."""
+    """An `every_n_epochs` checkpoint under `max_steps`: Lightning (under DDP too) resumes with the DistributedSampler
+    one epoch ahead, so the run is not the uninterrupted one (see the README, "Resuming exactly"); ZeRO must continue
+    as DDP continues from its own checkpoint of the same step."""
     zero, ddp = load(run_dir / "zero2-resumed.pt"), load(run_dir / "ddp-resumed.pt")
     assert zero["global_step"] == ddp["global_step"] == 18
     for key, value in ddp["state_dict"].items():
         torch.testing.assert_close(zero["state_dict"][key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("exact")
+    launch(WORKER, ["resume_exactly", str(out)], world_size=2)
+    return out
+
+
+@pytest.mark.parametrize("bound", ["max_steps", "max_epochs"])
+@pytest.mark.parametrize("strategy", EXACT_STAGES)
+def test_resume_at_an_epoch_end_continues_bit_exactly(exact_dir: Path, strategy: str, bound: str) -> None:
+    """Stopped at an epoch end, saved, resumed in a fresh Trainer and module on the same 2 ranks: every rank sees the
+    batches of the uninterrupted run, so its losses, weights, optimizer state, schedule and step equal that run's bit
+    for bit (the same fp32 ops in the same order on the same values; only the data order could differ)."""
+    for rank in range(2):
+        runs = load(exact_dir / f"exact-{strategy}-rank{rank}.pt")
+        truth, resumed = runs[bound, "truth"], runs[bound, "resumed"]
+        assert resumed["checkpoint"] == f"epoch=0-step={EPOCH_STEPS}.ckpt"
+        assert truth["global_step"] == (EXACT_STEPS if bound == "max_steps" else 2 * EPOCH_STEPS)
+        assert_same_state(resumed, truth)
+        assert resumed["losses"] == truth["losses"][EPOCH_STEPS:], f"rank {rank}"
+        assert len(resumed["losses"]) == truth["global_step"] - EPOCH_STEPS
 
 
 def test_training_continues_after_a_cross_layout_resume(run_dir: Path) -> None:

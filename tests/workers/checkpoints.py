@@ -14,13 +14,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import lightning_zero  # noqa: F401
 from tests.workers.modules import Classifier
-from tests.workers.parity import full_optimizer_state
+from tests.workers.parity import full, full_optimizer_state
 
 MODULE_KWARGS = {"scheduler": "step", "config_style": "dict", "hidden": 29}
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
+EXACT_STAGES = ("zero1", "zero2", "zero3")
+EPOCH_STEPS = 6  # 96 samples, batches of 8, on 2 ranks
+EXACT_STEPS = 10
 
 
-def trainer(strategy: str, max_steps: int, **kwargs: Any) -> pl.Trainer:
+def trainer(strategy: str, max_steps: int = -1, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE,
@@ -44,7 +47,36 @@ def snapshot(t: pl.Trainer) -> dict[str, Any]:
     }
 
 
-def fit(strategy: str, max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
+def full_snapshot(t: pl.Trainer) -> dict[str, Any]:
+    """:func:`snapshot` with stage 3's sharded parameters gathered whole, and this rank's losses."""
+    module = t.lightning_module
+    return {
+        **snapshot(t),
+        "state_dict": {k: full(v).detach().clone() for k, v in module.state_dict().items()},
+        "losses": list(module.losses),
+    }
+
+
+def resume_exactly(out: Path) -> None:
+    """Per stage: an uninterrupted run, a run stopped at an epoch end and saved, and its resume in a fresh Trainer and
+    module; once for the checkpoint ``ModelCheckpoint(every_n_train_steps=...)`` writes on the step that closes the
+    epoch (training bounded by ``max_steps``), once for ``every_n_epochs`` (bounded by ``max_epochs``)."""
+    for strategy in EXACT_STAGES:
+        results = {}
+        for bound, every, stop, end in (
+            ("max_steps", {"every_n_train_steps": EPOCH_STEPS}, EPOCH_STEPS, EXACT_STEPS),
+            ("max_epochs", {"every_n_epochs": 1}, 1, 2),
+        ):
+            results[bound, "truth"] = full_snapshot(fit(strategy, **{bound: end}))
+            saving = ModelCheckpoint(dirpath=out / f"exact-{strategy}-{bound}", **every)
+            fit(strategy, **{bound: stop}, callbacks=[saving], enable_checkpointing=True)
+            path = Path(saving.best_model_path)
+            resumed = fit(strategy, **{bound: end}, ckpt_path=path)
+            results[bound, "resumed"] = {**full_snapshot(resumed), "checkpoint": path.name}
+        torch.save(results, out / f"exact-{strategy}-rank{resumed.global_rank}.pt")
+
+
+def fit(strategy: str, max_steps: int = -1, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
     pl.seed_everything(0)
     t = trainer(strategy, max_steps, **kwargs)
     t.fit(Classifier(**MODULE_KWARGS), ckpt_path=ckpt_path)
@@ -72,6 +104,8 @@ def main() -> None:
             fit(strategy, 18, callbacks=[every_epoch], enable_checkpointing=True)
             resumed = fit(strategy, 18, ckpt_path=out / strategy / "epoch=1-step=12.ckpt")
             save_rank0(snapshot(resumed), out / f"{strategy}-resumed.pt")
+    elif phase == "resume_exactly":
+        resume_exactly(out)
     elif phase == "resume_3ranks_zero1":  # restore only (max_steps already reached), then save at 3 ranks
         t = fit("zero1", 12, ckpt_path=out / "zero2-2ranks")
         save_rank0(snapshot(t), out / "restored-3ranks.pt")
