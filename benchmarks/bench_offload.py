@@ -1,0 +1,223 @@
+"""Offload benchmarks: the host optimizer step's speed, and what offload buys on one GPU.
+
+``python benchmarks/bench_offload.py step [--params 100e6 --rounds 5]``: Adam on a shard of ``--params`` fp32
+parameters held in host memory, stepped the way an offloaded ZeRO rank steps (the engine's ``ZeroOptimizer`` over
+host masters: torch's fused CPU kernels, then the updated masters copied into the module's weights), against
+``torch.optim.Adam`` with its defaults on the same number of plain parameters (on the CPU a loop over parameters).
+The two alternate over ``--rounds`` rounds so machine noise hits both alike; the table gives parameters updated per
+second (median, and min-max).
+
+``python benchmarks/bench_offload.py capacity`` (needs a CUDA GPU): trains a residual MLP of about 1 B fp32
+parameters for 3 steps on one GPU under plain Lightning, ``"zero2_offload"``, ``"zero3_offload"`` and
+``"zero2_offload"`` with a bf16 module on fp32 host masters, each in a fresh process, and reports peak device and
+host bytes per parameter, seconds per step, and the largest model those bytes allow on this GPU and host (model
+state only; activations of a small batch come on top and are included in the peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- the host step ---------------------------------------------------------------------------------------------------
+
+
+def _layers(num_params: float, width: int = 1024) -> nn.Module:
+    count = max(1, round(num_params / (width * width + width)))
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(count)))
+
+
+def _zero_host_optimizer(module: nn.Module) -> Any:
+    """The engine of one offloaded rank (stage 2) with its wrapped Adam, gradients set on the host shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero._engine import EnginePrecision, ZeroEngine
+    from lightning_zero._reducers import ReduceScatterReducer
+
+    mesh = init_device_mesh("cpu", (1,))
+    engine = ZeroEngine(module, ReduceScatterReducer, mesh, 25 * 2**20, EnginePrecision(host=True))
+    optimizer = engine.shard_optimizer(torch.optim.Adam(module.parameters(), lr=1e-4))
+    for sharded in engine.sharded:
+        sharded.shard.grad = sharded.wrap(torch.randn_like(sharded.master))
+    return optimizer
+
+
+def _plain_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    for param in module.parameters():
+        param.grad = torch.randn_like(param)
+    return torch.optim.Adam(module.parameters(), lr=1e-4)
+
+
+def bench_step(num_params: float, rounds: int) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    contenders = {
+        "torch.optim.Adam, defaults": _plain_optimizer(_layers(num_params)),
+        "lightning_zero host step (offload)": _zero_host_optimizer(_layers(num_params)),
+    }
+    numel = sum(p.numel() for p in next(iter(contenders.values())).param_groups[0]["params"])
+    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    for optimizer in contenders.values():  # warm-up: the first step allocates Adam's state
+        optimizer.step()
+    for round_ in range(rounds):
+        names = list(contenders)
+        for name in names[round_ % 2 :] + names[: round_ % 2]:
+            start = time.perf_counter()
+            contenders[name].step()
+            seconds[name].append(time.perf_counter() - start)
+    print(f"Adam step on {numel / 1e6:.1f} M fp32 parameters, {torch.get_num_threads()} threads, {rounds} rounds\n")
+    print("| step | M params/s (median) | M params/s (min-max) | ratio |")
+    print("|---|---|---|---|")
+    baseline = numel / statistics.median(seconds["torch.optim.Adam, defaults"])
+    for name, times in seconds.items():
+        rates = sorted(numel / t / 1e6 for t in times)
+        median = numel / statistics.median(times)
+        print(f"| {name} | {median / 1e6:.1f} | {rates[0]:.1f}-{rates[-1]:.1f} | {median / baseline:.2f}x |")
+    dist.destroy_process_group()
+
+
+# --- one GPU: bytes per parameter with and without offload -----------------------------------------------------------
+
+CONFIGS = {
+    "plain (no ZeRO), fp32": {"strategy": "auto", "precision": "32-true"},
+    "zero2_offload, fp32": {"strategy": "zero2_offload", "precision": "32-true"},
+    "zero3_offload, fp32": {"strategy": "zero3_offload", "precision": "32-true"},
+    "zero2_offload, bf16 module + fp32 host masters": {
+        "strategy": "zero2_offload", "precision": "bf16-true", "master_weights": True,
+    },
+}
+
+
+def _host_peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def trial(config: str, width: int, layers: int) -> dict[str, Any]:
+    """Train the residual MLP under ``config`` for 3 steps in this process; peak bytes and seconds per step."""
+    import lightning.pytorch as pl
+
+    import lightning_zero
+    from lightning_zero.strategy import ZeroStrategy
+
+    options = dict(CONFIGS[config])
+    strategy: Any = options.pop("strategy")
+    precision = options.pop("precision")
+    if options:
+        strategy = ZeroStrategy(stage=2, offload_optimizer=True, **options)
+    assert lightning_zero
+
+    class Residual(pl.LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "layers"):
+                self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = batch
+            for layer in self.layers:
+                x = x + torch.tanh(layer(x))
+            return x.float().pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-5)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(64, width), batch_size=16)
+
+    times: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
+    )
+    module = Residual()
+    trainer.fit(module)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter())
+    return {
+        "params": layers * (width * width + width),
+        "device_peak": torch.cuda.max_memory_allocated(),
+        "host_peak": _host_peak_bytes(),
+        "step_seconds": statistics.median(b - a for a, b in pairwise(times[1:])),  # the first step allocates
+    }
+
+
+def bench_capacity(width: int, layers: int) -> None:
+    device_total = torch.cuda.get_device_properties(0).total_memory
+    host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    rows = []
+    for config in CONFIGS:
+        done = subprocess.run(
+            [sys.executable, __file__, "trial", "--config", config, "--width", str(width), "--layers", str(layers)],
+            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            rows.append(f"| {config} | failed: {done.stderr.strip().splitlines()[-1][:120]} | | | | |")
+            continue
+        result = json.loads(lines[-1])
+        params = result["params"]
+        device_per, host_per = result["device_peak"] / params, result["host_peak"] / params
+        largest = min(device_total / device_per, host_total / host_per) / 1e9
+        bound = "GPU" if device_total / device_per < host_total / host_per else "host"
+        rows.append(
+            f"| {config} | {device_per:.2f} | {host_per:.2f} | {result['step_seconds']:.2f} | {largest:.1f} B"
+            f" ({bound} memory) |"
+        )
+    name = torch.cuda.get_device_name(0)
+    print(f"{name}: {device_total / 2**30:.0f} GiB GPU, {host_total / 2**30:.0f} GiB host;"
+          f" residual MLP of {layers * (width * width + width) / 1e9:.2f} B parameters, Adam, batch 16\n")
+    print("| configuration | device bytes/param (peak) | host bytes/param (peak RSS) | s/step | largest model |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    step = sub.add_parser("step")
+    step.add_argument("--params", type=float, default=100e6)
+    step.add_argument("--rounds", type=int, default=5)
+    capacity = sub.add_parser("capacity")
+    capacity.add_argument("--width", type=int, default=8192)
+    capacity.add_argument("--layers", type=int, default=16)
+    one = sub.add_parser("trial")
+    one.add_argument("--config", choices=list(CONFIGS), required=True)
+    one.add_argument("--width", type=int, required=True)
+    one.add_argument("--layers", type=int, required=True)
+    args = parser.parse_args()
+    match args.command:
+        case "step":
+            bench_step(args.params, args.rounds)
+        case "capacity":
+            bench_capacity(args.width, args.layers)
+        case "trial":
+            print(json.dumps(trial(args.config, args.width, args.layers)))
+
+
+if __name__ == "__main__":
+    main()
