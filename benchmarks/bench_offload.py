@@ -144,11 +144,19 @@ def trial(config: str, width: int, layers: int) -> dict[str, Any]:
             return torch.utils.data.DataLoader(torch.randn(64, width), batch_size=16)
 
     times: list[float] = []
+    held: dict[str, float] = {}  # GiB allocated on the device at points of the first step
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, *_: Any) -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter())
+            held.setdefault("start", torch.cuda.memory_allocated() / 2**30)
+
+        def on_before_optimizer_step(self, *_: Any) -> None:
+            held.setdefault("backward", torch.cuda.memory_allocated() / 2**30)
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            held.setdefault("step", torch.cuda.memory_allocated() / 2**30)
 
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3, logger=False,
@@ -163,6 +171,7 @@ def trial(config: str, width: int, layers: int) -> dict[str, Any]:
         "device_peak": torch.cuda.max_memory_allocated(),
         "host_peak": _host_peak_bytes(),
         "step_seconds": statistics.median(b - a for a, b in pairwise(times[1:])),  # the first step allocates
+        "held_gib": held,
     }
 
 
@@ -177,22 +186,26 @@ def bench_capacity(width: int, layers: int) -> None:
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
-            rows.append(f"| {config} | failed: {done.stderr.strip().splitlines()[-1][:120]} | | | | |")
+            rows.append(f"| {config} | failed: {done.stderr.strip().splitlines()[-1][:120]} | | | | | |")
             continue
         result = json.loads(lines[-1])
         params = result["params"]
         device_per, host_per = result["device_peak"] / params, result["host_peak"] / params
         largest = min(device_total / device_per, host_total / host_per) / 1e9
         bound = "GPU" if device_total / device_per < host_total / host_per else "host"
+        held = " / ".join(f"{result['held_gib'][k]:.1f}" for k in ("start", "backward", "step"))
         rows.append(
-            f"| {config} | {device_per:.2f} | {host_per:.2f} | {result['step_seconds']:.2f} | {largest:.1f} B"
-            f" ({bound} memory) |"
+            f"| {config} | {device_per:.2f} | {held} | {host_per:.2f} | {result['step_seconds']:.2f} |"
+            f" {largest:.1f} B ({bound} memory) |"
         )
     name = torch.cuda.get_device_name(0)
     print(f"{name}: {device_total / 2**30:.0f} GiB GPU, {host_total / 2**30:.0f} GiB host;"
           f" residual MLP of {layers * (width * width + width) / 1e9:.2f} B parameters, Adam, batch 16\n")
-    print("| configuration | device bytes/param (peak) | host bytes/param (peak RSS) | s/step | largest model |")
-    print("|---|---|---|---|---|")
+    print(
+        "| configuration | device bytes/param (peak) | device GiB held: start / after backward / after step"
+        " | host bytes/param (peak RSS) | s/step | largest model |"
+    )
+    print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -125,8 +125,11 @@ class Reset:
     owned: list[str]  # those whose values it provides (a tied parameter is provided by one module only)
 
 
-def materialize(root: nn.Module, resets: list[Reset], device: torch.device, group: ProcessGroup) -> None:
-    """Give every meta parameter of the sharded ``root`` storage on ``device`` and its values (see module docs)."""
+def materialize(
+    root: nn.Module, resets: list[Reset], device: torch.device, group: ProcessGroup, shards_on_host: bool = False
+) -> None:
+    """Give every meta parameter of the sharded ``root`` storage on ``device`` and its values (see module docs);
+    with ``shards_on_host`` (offload), the shards then move to host memory, where ``fully_shard`` expects them."""
     if not any(p.is_meta for p in root.parameters()):
         return
     with torch.no_grad():
@@ -140,6 +143,8 @@ def materialize(root: nn.Module, resets: list[Reset], device: torch.device, grou
         _share_rank0_generator(device, group)
         for reset in resets:
             _replay(reset, device, group)
+        if shards_on_host:
+            root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
 
 
 def _replay(reset: Reset, device: torch.device, group: ProcessGroup) -> None:

@@ -81,9 +81,11 @@ _FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)  # fused kernels that D
 @contextmanager
 def host_kernels(optimizer: Optimizer) -> Generator[None, None, None]:
     """Step the groups that left the implementation to torch with its fused CPU kernels where the optimizer has
-    them for shards (Adam, AdamW), else the multi-tensor ones: torch's default on the host is a loop over
-    parameters. Same maths; the groups as configured (and as saved) keep their settings."""
-    key = "fused" if isinstance(optimizer, _FUSED_ON_SHARDS) else "foreach"
+    them for shards (Adam, AdamW) and every parameter is on the host (fused kernels want one device), else the
+    multi-tensor ones: torch's default on the host is a loop over parameters. Same maths; the groups as configured
+    (and as saved) keep their settings."""
+    on_host = all(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"])
+    key = "fused" if isinstance(optimizer, _FUSED_ON_SHARDS) and on_host else "foreach"
     chosen = [g for g in optimizer.param_groups if g.get("foreach") is None and not g.get("fused") and key in g]
     previous = [group[key] for group in chosen]
     for group in chosen:

@@ -259,13 +259,16 @@ class ZeroStrategy(DDPStrategy):
             return
         resets = self._meta_init.plan(module)
         meta = {name for name, p in module.named_parameters() if p.is_meta}
+        # Everything real goes to the device first, as under DDP: `fully_shard` moves only parameters and buffers,
+        # not other module state (torchmetrics' metric states), and then offloads the shards itself.
+        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
         _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
         units = choose_units(module, self.config.auto_wrap_policy)
         precision, offload = self._stage3_precision(module), self._stage3_offload()
         self._sharded = ShardedModule(module, mesh, units, self.root_device, precision, offload)
-        materialize(module, resets, self.root_device, self._sharded.group)
+        materialize(module, resets, self.root_device, self._sharded.group, shards_on_host=offload is not None)
         self._buffers_due = True
 
     def _stage3_offload(self) -> OffloadPolicy | None:

@@ -1,7 +1,7 @@
 """The CUDA paths, on one GPU (skipped without one): NCCL with a single rank, offload to pinned host memory with
 asynchronous copies both ways, host collectives on gloo beside NCCL, mixed precision and the engine's loss scaler on
-the GPU, and checkpoints of offloaded state. The oracle is Lightning's plain single-device training with the same
-seed, data and precision flag.
+the GPU, and checkpoints of offloaded state. The oracle is ``"ddp"`` on the same GPU (its sampler shuffles the same
+way) with the same seed, data and precision flag.
 
 Tolerance: the offloaded step runs on the CPU (fused Adam) where plain training steps on the GPU, so results differ
 by the two kernels' rounding, a few ulps a step; ``rtol=1e-4, atol=5e-5`` as in tests/test_parity.py. Mixed
@@ -25,14 +25,36 @@ from tests.workers.modules import Classifier
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+class Where(pl.Callback):
+    """Where the module's weights, the optimizer's masters and state live at the end of training (before teardown
+    takes the module back to the CPU)."""
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        engine = trainer.strategy._engine
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.dim() > 0]
+        self.weights = {(t.device.type, t.is_pinned()) for t in locals_}
+        self.masters = {(s.master.device.type, s.master.is_pinned()) for s in engine.sharded} if engine else set()
+        optimizer = trainer.strategy.optimizers[0]
+        self.state = {
+            (v.to_local() if isinstance(v, DTensor) else v).device.type
+            for entries in optimizer.state.values()
+            for v in entries.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+
+
 def train(strategy: Any, steps: int = 6, ckpt_path: Path | None = None, **trainer_kwargs: Any) -> pl.Trainer:
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Where()], **trainer_kwargs,
     )
     trainer.fit(Classifier(), ckpt_path=ckpt_path)
     return trainer
+
+
+def where(trainer: pl.Trainer) -> Where:
+    return next(c for c in trainer.callbacks if isinstance(c, Where))
 
 
 def weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -47,41 +69,28 @@ def assert_same(actual: pl.Trainer, expected: pl.Trainer, what: str) -> None:
         close(value, want[key], f"{what} {key}")
 
 
-def state_devices(trainer: pl.Trainer) -> set[str]:
-    optimizer = trainer.strategy.optimizers[0]
-    found = set()
-    for entries in optimizer.state.values():
-        for value in entries.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                found.add((value.to_local() if isinstance(value, DTensor) else value).device.type)
-    return found
-
-
 @pytest.mark.parametrize("strategy", ["zero1_host", "zero2_offload", "zero3_offload", "zero2_disk"])
 def test_offload_matches_plain_training(strategy: str, tmp_path: Path) -> None:
-    reference = train("auto")
+    reference = train("ddp")
     named = {
         "zero1_host": lambda: Zero1Strategy(offload_optimizer=True),
         "zero2_disk": lambda: Zero2Strategy(offload_optimizer="disk", offload_dir=tmp_path),
     }
     offloaded = train(named[strategy]() if strategy in named else strategy)
     assert_same(offloaded, reference, strategy)
-    assert state_devices(offloaded) == {"cpu"}, "optimizer state left the host"
-    assert next(offloaded.lightning_module.parameters()).device.type == "cuda" or strategy == "zero3_offload"
-    engine = offloaded.strategy._engine
-    if engine is not None:  # stages 1 and 2: pinned host masters, the module's weights on the GPU
-        assert all(s.master.device.type == "cpu" and s.master.is_pinned() for s in engine.sharded)
-        assert all(s.param.device.type == "cuda" for s in engine.sharded)
-    else:  # stage 3: the shards themselves live in pinned host memory
-        shards = [p.to_local() for p in offloaded.lightning_module.parameters() if isinstance(p, DTensor)]
-        assert shards and all(s.device.type == "cpu" and s.is_pinned() for s in shards)
+    found = where(offloaded)
+    assert found.state == {"cpu"}, "optimizer state left the host"
+    if strategy == "zero3_offload":  # the shards themselves live in pinned host memory
+        assert found.weights == {("cpu", True)}
+    else:  # stages 1 and 2: the module's weights on the GPU, its masters pinned on the host
+        assert found.weights == {("cuda", False)} and found.masters == {("cpu", True)}
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_offloaded(precision: str) -> None:
     """Autocast on the GPU; under "16-mixed" the engine's loss scaler replaces Lightning's GradScaler and votes on
     overflows over the host collective."""
-    reference = train("auto", precision=precision)
+    reference = train("ddp", precision=precision)
     for strategy in ("zero2_offload", "zero3_offload"):
         assert_same(train(strategy, precision=precision), reference, f"{strategy} {precision}")
 
@@ -92,15 +101,15 @@ def test_bf16_module_on_fp32_host_masters() -> None:
     trainer = train(Zero2Strategy(master_weights=True, offload_optimizer=True), steps=12, precision="bf16-true")
     losses = trainer.lightning_module.losses
     assert sum(losses[-3:]) < sum(losses[:3])
+    assert where(trainer).weights == {("cuda", False)} and where(trainer).masters == {("cpu", True)}
     for sharded in trainer.strategy._engine.sharded:
-        assert sharded.master.dtype == torch.float32 and sharded.master.device.type == "cpu"
-        assert sharded.param.dtype == torch.bfloat16 and sharded.param.device.type == "cuda"
+        assert sharded.master.dtype == torch.float32 and sharded.param.dtype == torch.bfloat16
         assert torch.equal(sharded.local.cpu(), sharded.master.to(torch.bfloat16))
 
 
 def test_clipping_offloaded() -> None:
     """The global norm is computed from host gradient shards (a collective on gloo beside NCCL)."""
-    reference = train("auto", gradient_clip_val=0.05)
+    reference = train("ddp", gradient_clip_val=0.05)
     for strategy in ("zero2_offload", "zero3_offload"):
         assert_same(train(strategy, gradient_clip_val=0.05), reference, f"{strategy} clipped")
 
@@ -109,10 +118,10 @@ def test_offloaded_checkpoint_resumes(tmp_path: Path) -> None:
     """Save an offloaded run's sharded checkpoint, resume it in a fresh Trainer: the same as plain training doing
     the same with its ordinary file."""
     results = {}
-    for strategy in ("auto", "zero2_offload", "zero3_offload"):
+    for strategy in ("ddp", "zero2_offload", "zero3_offload"):
         path = tmp_path / f"{strategy}.ckpt"
         train(strategy, steps=6).save_checkpoint(path)
         results[strategy] = train(strategy, steps=10, ckpt_path=path)
     assert (tmp_path / "zero2_offload.ckpt").is_dir()
     for strategy in ("zero2_offload", "zero3_offload"):
-        assert_same(results[strategy], results["auto"], f"{strategy} resumed")
+        assert_same(results[strategy], results["ddp"], f"{strategy} resumed")
