@@ -167,7 +167,7 @@ def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, An
                 else:
                     is_sharded = _was_sharded(key, value, sharded.spec.shape)
                 if is_sharded:
-                    local = sharded.spec.take(value, sharded.rank).to(sharded.local.device).clone()
+                    local = sharded.spec.take(value, sharded.rank).to(sharded.master.device).clone()
                     converted[key] = sharded.wrap(local)
         state[index] = converted
     clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}

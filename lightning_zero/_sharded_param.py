@@ -30,6 +30,7 @@ class ShardedParam:
         self.placements: tuple[Placement, ...] = (Replicate(),) if spec.replicated else (Shard(0),)
         self._stride = torch.empty(spec.shape, device="meta").stride()  # of the whole parameter, contiguous
         self.local = spec.take(param.detach(), self.rank)  # view of param's own storage, local_shape(rank)
+        self.host_mesh: DeviceMesh | None = None
         self.master = self.local
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
         self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
@@ -37,9 +38,14 @@ class ShardedParam:
         self._host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient is copied for the step
         self._host_grad_view: DTensor | None = None
 
-    def use_master(self, master: torch.Tensor, host_grad: torch.Tensor | None = None) -> None:
+    def use_master(
+        self, master: torch.Tensor, host_grad: torch.Tensor | None = None, host_mesh: DeviceMesh | None = None
+    ) -> None:
         """Let the optimizer step on ``master``, a copy of ``local`` in another dtype or on the host, instead of the
-        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host."""
+        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host.
+        ``host_mesh``: the same ranks as a CPU mesh, for host tensors of a module on another device (a DTensor
+        moves its local tensor to its mesh's device type)."""
+        self.host_mesh = host_mesh
         self.master = master
         self.shard = nn.Parameter(self.wrap(master), requires_grad=self.param.requires_grad)
         self._host_grad = host_grad
@@ -50,9 +56,11 @@ class ShardedParam:
         return self.master is not self.local
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        """A DTensor of this parameter's global shape around ``local``, this rank's part of it."""
+        """A DTensor of this parameter's global shape around ``local``, this rank's part of it, on the host mesh when
+        ``local`` is a host tensor of an offloaded device module."""
+        mesh = self.host_mesh if self.host_mesh is not None and local.device.type == "cpu" else self.mesh
         return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.spec.shape, stride=self._stride
+            local, mesh, self.placements, run_check=False, shape=self.spec.shape, stride=self._stride
         )
 
     @property

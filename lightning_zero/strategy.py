@@ -187,10 +187,17 @@ class ZeroStrategy(DDPStrategy):
     def _get_process_group_backend(self) -> str:
         # Offloaded from CUDA, some collectives carry host tensors (clipping norms, the overflow vote): gloo takes
         # those, NCCL the device ones.
-        offloads_from_cuda = self.config.offload is not OffloadTarget.DEVICE and self.root_device.type == "cuda"
-        if self._process_group_backend is None and offloads_from_cuda:
+        backend = self._process_group_backend
+        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
+            return super()._get_process_group_backend()
+        if backend is None:
             return "cpu:gloo,cuda:nccl"
-        return super()._get_process_group_backend()
+        if "gloo" not in backend:
+            raise ValueError(
+                f"Offloading keeps optimizer state on the host, whose collectives need a CPU backend, but"
+                f" `process_group_backend={backend!r}`. HINT: pass 'cpu:gloo,cuda:nccl' or leave it unset."
+            )
+        return backend
 
     @property
     @override
@@ -563,7 +570,8 @@ class ZeroStrategy(DDPStrategy):
                 load_full_optimizer_state_into_dtensors(optimizer, state)
             else:
                 optimizer.load_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
+            if self.config.offload is OffloadTarget.DEVICE:  # offloaded state stays where the loaders put it
+                _optimizer_to_device(optimizer, self.root_device)
 
     @contextmanager
     @override

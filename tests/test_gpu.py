@@ -30,7 +30,7 @@ class Where(pl.Callback):
     takes the module back to the CPU)."""
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        engine = trainer.strategy._engine
+        engine = getattr(trainer.strategy, "_engine", None)
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.dim() > 0]
         self.weights = {(t.device.type, t.is_pinned()) for t in locals_}
         self.masters = {(s.master.device.type, s.master.is_pinned()) for s in engine.sharded} if engine else set()
