@@ -228,6 +228,8 @@ class ZeroStrategy(DDPStrategy):
                 " HINT: pass `Trainer(accelerator='cpu')` or `accelerator='gpu'`."
             )
         super().setup_environment()
+        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
+            _check_host_collectives()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -658,6 +660,19 @@ class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
 
     default_stage = Stage.PARAMETERS
+
+
+def _check_host_collectives() -> None:
+    """Offloaded state needs collectives on host tensors; a process group made earlier in this process (by another
+    strategy's run) may lack a CPU backend."""
+    try:
+        torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
+    except RuntimeError as error:
+        raise RuntimeError(
+            "Offloading keeps optimizer state on the host, but this process's process group, created before this run,"
+            " has no CPU backend. HINT: call `torch.distributed.destroy_process_group()` before this `fit`, or start"
+            " it in a fresh process; the strategy then creates one with 'cpu:gloo,cuda:nccl'."
+        ) from error
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
