@@ -104,7 +104,10 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: 
             " are its master weights, gathered as bf16."
         )
     if args.offload:
-        notes.append("The strategies do not offload yet; the host columns show what offloading would move.")
+        notes.append(
+            "Host columns: master weights and optimizer state, as `offload_optimizer=True` keeps them; offloaded runs"
+            " also keep a host copy of each gradient shard, and fp32 masters of an fp32 module's shards."
+        )
     print("\n" + "\n".join(notes))
     return 0
 
