@@ -7,11 +7,12 @@ host masters: torch's fused CPU kernels, then the updated masters copied into th
 The two alternate over ``--rounds`` rounds so machine noise hits both alike; the table gives parameters updated per
 second (median, and min-max).
 
-``python benchmarks/bench_offload.py capacity`` (needs a CUDA GPU): trains a residual MLP of about 1 B fp32
-parameters for 3 steps on one GPU under plain Lightning, ``"zero2_offload"``, ``"zero3_offload"`` and
-``"zero2_offload"`` with a bf16 module on fp32 host masters, each in a fresh process, and reports peak device and
-host bytes per parameter, seconds per step, and the largest model those bytes allow on this GPU and host (model
-state only; activations of a small batch come on top and are included in the peak).
+``python benchmarks/bench_offload.py capacity [--layers 16 --configs ...]`` (needs a CUDA GPU): trains a residual
+MLP of ``--layers`` x 67 M fp32 parameters (1.07 B by default) for 4 steps on one GPU under plain Lightning,
+``"zero2_offload"``, ``"zero3_offload"`` and ``"zero2_offload"`` with a bf16 module on fp32 host masters, each in a
+fresh process, and reports peak device and host bytes per parameter, device memory held at points of the first
+step, seconds per step after the first, and the largest model those bytes allow on this GPU and host (model state
+and the activations of a small batch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +95,14 @@ def bench_step(num_params: float, rounds: int) -> None:
 
 # --- one GPU: bytes per parameter with and without offload -----------------------------------------------------------
 
-CONFIGS = {
-    "plain (no ZeRO), fp32": {"strategy": "auto", "precision": "32-true"},
-    "zero2_offload, fp32": {"strategy": "zero2_offload", "precision": "32-true"},
-    "zero3_offload, fp32": {"strategy": "zero3_offload", "precision": "32-true"},
-    "zero2_offload, bf16 module + fp32 host masters": {
-        "strategy": "zero2_offload", "precision": "bf16-true", "master_weights": True,
-    },
+CONFIGS = {  # name: (table label, options)
+    "plain": ("plain (no ZeRO), fp32", {"strategy": "auto", "precision": "32-true"}),
+    "zero2_offload": ("zero2_offload, fp32", {"strategy": "zero2_offload", "precision": "32-true"}),
+    "zero3_offload": ("zero3_offload, fp32", {"strategy": "zero3_offload", "precision": "32-true"}),
+    "zero2_offload_bf16": (
+        "zero2_offload, bf16 module + fp32 host masters",
+        {"strategy": "zero2_offload", "precision": "bf16-true", "master_weights": True},
+    ),
 }
 
 
@@ -113,13 +114,14 @@ def _host_peak_bytes() -> int:
 
 
 def trial(config: str, width: int, layers: int) -> dict[str, Any]:
-    """Train the residual MLP under ``config`` for 3 steps in this process; peak bytes and seconds per step."""
+    """Train the residual MLP under ``config`` for 4 steps in this process; peak bytes and median seconds of the
+    steps after the first."""
     import lightning.pytorch as pl
 
     import lightning_zero
     from lightning_zero.strategy import ZeroStrategy
 
-    options = dict(CONFIGS[config])
+    options = dict(CONFIGS[config][1])
     strategy: Any = options.pop("strategy")
     precision = options.pop("precision")
     if options:
@@ -143,50 +145,51 @@ def trial(config: str, width: int, layers: int) -> dict[str, Any]:
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(torch.randn(64, width), batch_size=16)
 
-    times: list[float] = []
+    seconds: list[float] = []  # of each training step, forward to the end of the optimizer step
     held: dict[str, float] = {}  # GiB allocated on the device at points of the first step
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, *_: Any) -> None:
             torch.cuda.synchronize()
-            times.append(time.perf_counter())
+            self.started = time.perf_counter()
             held.setdefault("start", torch.cuda.memory_allocated() / 2**30)
 
         def on_before_optimizer_step(self, *_: Any) -> None:
             held.setdefault("backward", torch.cuda.memory_allocated() / 2**30)
 
         def on_train_batch_end(self, *_: Any) -> None:
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - self.started)
             held.setdefault("step", torch.cuda.memory_allocated() / 2**30)
 
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3, logger=False,
+        accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=4, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
     )
     module = Residual()
     trainer.fit(module)
-    torch.cuda.synchronize()
-    times.append(time.perf_counter())
     return {
         "params": layers * (width * width + width),
         "device_peak": torch.cuda.max_memory_allocated(),
         "host_peak": _host_peak_bytes(),
-        "step_seconds": statistics.median(b - a for a, b in pairwise(times[1:])),  # the first step allocates
+        "step_seconds": statistics.median(seconds[1:]),  # the first step allocates
         "held_gib": held,
     }
 
 
-def bench_capacity(width: int, layers: int) -> None:
+def bench_capacity(width: int, layers: int, configs: list[str]) -> None:
     device_total = torch.cuda.get_device_properties(0).total_memory
     host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rows = []
-    for config in CONFIGS:
+    for config in configs:
         done = subprocess.run(
             [sys.executable, __file__, "trial", "--config", config, "--width", str(width), "--layers", str(layers)],
             capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
-            rows.append(f"| {config} | failed: {done.stderr.strip().splitlines()[-1][:120]} | | | | | |")
+            failure = next((line for line in reversed(done.stderr.splitlines()) if "Error" in line), "no output")
+            rows.append(f"| {CONFIGS[config][0]} | failed: {failure.strip()[:160]} | | | | |")
             continue
         result = json.loads(lines[-1])
         params = result["params"]
@@ -195,7 +198,7 @@ def bench_capacity(width: int, layers: int) -> None:
         bound = "GPU" if device_total / device_per < host_total / host_per else "host"
         held = " / ".join(f"{result['held_gib'][k]:.1f}" for k in ("start", "backward", "step"))
         rows.append(
-            f"| {config} | {device_per:.2f} | {held} | {host_per:.2f} | {result['step_seconds']:.2f} |"
+            f"| {CONFIGS[config][0]} | {device_per:.2f} | {held} | {host_per:.2f} | {result['step_seconds']:.2f} |"
             f" {largest:.1f} B ({bound} memory) |"
         )
     name = torch.cuda.get_device_name(0)
@@ -218,6 +221,7 @@ def main() -> None:
     capacity = sub.add_parser("capacity")
     capacity.add_argument("--width", type=int, default=8192)
     capacity.add_argument("--layers", type=int, default=16)
+    capacity.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     one = sub.add_parser("trial")
     one.add_argument("--config", choices=list(CONFIGS), required=True)
     one.add_argument("--width", type=int, required=True)
@@ -227,7 +231,7 @@ def main() -> None:
         case "step":
             bench_step(args.params, args.rounds)
         case "capacity":
-            bench_capacity(args.width, args.layers)
+            bench_capacity(args.width, args.layers, args.configs)
         case "trial":
             print(json.dumps(trial(args.config, args.width, args.layers)))
 
