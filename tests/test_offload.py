@@ -140,7 +140,7 @@ def test_one_device_offloads(tmp_path: Path) -> None:
 def resident(strategy: str, tmp_path: Path, offload_dir: Path) -> list[dict[str, Any]]:
     out = tmp_path / strategy.split(":")[0] / str(len(list(tmp_path.iterdir())))
     out.mkdir(parents=True)
-    spec = {"strategy": strategy, "world_size": 2, "hidden": 4096, "offload_dir": str(offload_dir)}
+    spec = {"strategy": strategy, "world_size": 2, "hidden": 2048, "offload_dir": str(offload_dir)}
     (out / "spec.json").write_text(json.dumps(spec))
     launch("tests.workers.offload_memory", [str(out / "spec.json"), str(out)], 2)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -155,7 +155,7 @@ def test_disk_state_is_not_resident(tmp_path: Path) -> None:
     on_disk = resident(f"zero2:{DISK.replace('@', str(offload_dir))}", tmp_path, offload_dir)
     for rank, (memory, disk) in enumerate(zip(in_memory, on_disk, strict=True)):
         state = memory["state_bytes"]
-        assert state == disk["state_bytes"] > 60 * 2**20  # Adam's moments of this rank's 8.4 M elements
+        assert state == disk["state_bytes"] > 30 * 2**20  # Adam's moments of this rank's 4.2 M elements
         assert disk["file_rss"] == 0, f"rank {rank}: {disk['file_rss']} bytes of state files still resident"
         assert disk["rss"] < memory["rss"] - state // 2, (rank, disk["rss"], memory["rss"], state)
         torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
