@@ -49,6 +49,10 @@ class ZeroConfig:
     """Stages 2 and 3: dtype gradients are reduced in; ``torch.float32`` for accuracy with a 16-bit module.
     ``None``: the parameters' dtype, half the traffic."""
 
+    memory_report: bool = True
+    """Log, on rank 0 right after the first optimizer step of each ``fit``, this rank's measured model-state bytes
+    beside the ZeRO paper's estimate for the same stage, ranks and precision."""
+
     @classmethod
     def from_options(
         cls,
@@ -60,6 +64,7 @@ class ZeroConfig:
         activation_checkpointing: object = None,
         master_weights: object = False,
         reduce_dtype: object = None,
+        memory_report: object = True,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
@@ -88,6 +93,11 @@ class ZeroConfig:
                 checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
         if not isinstance(master_weights, bool):
             raise ValueError(f"`master_weights={master_weights!r}` must be True or False.")
+        if not isinstance(memory_report, bool):
+            raise ValueError(
+                f"`memory_report={memory_report!r}` must be True or False. HINT: `memory_report=False` turns the"
+                " report off."
+            )
         dtype = _resolve_dtype(reduce_dtype)
         if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
@@ -102,6 +112,7 @@ class ZeroConfig:
             activation_checkpointing=checkpointing,
             master_weights=master_weights,
             reduce_dtype=dtype,
+            memory_report=memory_report,
         )
 
     @property

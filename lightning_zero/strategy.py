@@ -17,7 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -48,6 +48,7 @@ from lightning_zero._meta_init import MetaInit, materialize
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
+from lightning_zero._report import log_info, memory_report
 from lightning_zero._stage3 import ShardedModule, check_even_batches, check_plain_loss
 from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
 
@@ -91,6 +92,14 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: any stage, which submodules recompute their activations in backward (non-reentrant
             checkpointing): module classes, import paths, a parameter count or a callable as above, or ``True`` for
             the modules the wrap policy picks.
+        master_weights: ZeRO mixed precision: fp32 master shards for a 16-bit module (``precision="bf16-true"``).
+        reduce_dtype: stages 2 and 3, the dtype gradients are reduced in (``"float32"`` with a 16-bit module).
+        memory_report: log on rank 0, once per ``fit``, a table of this rank's model-state bytes (parameters,
+            gradients, master weights, optimizer state) measured by walking tensors, beside the estimate of
+            ``python -m lightning_zero estimate`` for the same stage, ranks and precision. It is logged right after
+            the first optimizer step, the first moment at which gradients and optimizer state all exist (with several
+            optimizers, only the one that stepped has state then), through Lightning's logging
+            (``rank_zero_info``, logger ``lightning.pytorch``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -107,6 +116,7 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: bool | ModuleOption = None,
         master_weights: bool = False,
         reduce_dtype: str | torch.dtype | None = None,
+        memory_report: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -121,7 +131,8 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(
                 f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
                 " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy`, `activation_checkpointing`,"
-                " `master_weights` and `reduce_dtype`; the rest are those of Lightning's `DDPStrategy`."
+                " `master_weights`, `reduce_dtype` and `memory_report`; the rest are those of Lightning's"
+                " `DDPStrategy`."
             )
         if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
             raise ValueError(
@@ -136,6 +147,7 @@ class ZeroStrategy(DDPStrategy):
             activation_checkpointing=activation_checkpointing,
             master_weights=master_weights,
             reduce_dtype=reduce_dtype,
+            memory_report=memory_report,
         )
         super().__init__(
             accelerator=accelerator,
@@ -151,6 +163,7 @@ class ZeroStrategy(DDPStrategy):
         self._sharded: ShardedModule | None = None  # stage 3 on more than one rank
         self._meta_init = MetaInit()
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
+        self._report_due = False  # whether the next optimizer step is the first of a `fit` that logs the report
 
     @property
     def stage(self) -> Stage:
@@ -207,6 +220,7 @@ class ZeroStrategy(DDPStrategy):
                     _sync_module_states(self.model)  # every rank starts from rank 0's weights, as under DDP
         if fitting:
             self.setup_optimizers(trainer)
+            self._report_due = self.config.memory_report
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -292,6 +306,36 @@ class ZeroStrategy(DDPStrategy):
             reduce_dtype=self.config.reduce_dtype,
             loss_scaling=fp16_master or takes_over_scaler,
         )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._report_due:
+            self._report_due = False
+            self._log_memory_report()
+        return output
+
+    def _log_memory_report(self) -> None:
+        """Rank 0's model state beside the estimate; other ranks measure nothing (no collective is involved)."""
+        if not self.is_global_zero:
+            return
+        assert self.lightning_module is not None
+        report = memory_report(
+            self.lightning_module,
+            self.optimizers,
+            strategy=f"zero{int(self.stage)}",
+            num_ranks=self.world_size,
+            num_nodes=self.num_nodes,
+            master_weights=self.config.master_weights,
+            engine=self._engine,
+        )
+        log_info(report)
 
     @contextmanager
     @override
