@@ -1,5 +1,5 @@
-"""``start_method="spawn"``: the strategy, its precision plugin included, is pickled to every started process, and
-rank 0 hands the trained weights back to the main process."""
+"""``start_method="spawn"`` and ``"fork"``: the strategy, its precision plugin included, is pickled to every spawned
+process, and rank 0 hands the trained weights back to the main process, layers built in ``configure_model`` too."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_zero import Zero2Strategy
+from lightning_zero import Zero2Strategy, Zero3Strategy
 from tests.workers.modules import Classifier
+from tests.workers.modules_zero3 import TiedLM
 
 
-def train(module: Classifier, strategy: object, devices: int) -> None:
+def train(module: pl.LightningModule, strategy: object, devices: int) -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -59,3 +60,20 @@ def test_unknown_precision_plugin_is_refused() -> None:
 
     with pytest.raises(TypeError, match=r"`Custom` is not one the ZeRO strategies can adapt.*HINT.*ZeroMixedPrecision"):
         Zero2Strategy(precision_plugin=Custom("bf16-mixed", "cpu"))
+
+
+def test_layers_built_in_configure_model_come_back() -> None:
+    """Stage 3 on 2 forked ranks with a module that builds its layers in `configure_model` (created on the meta
+    device there): the main process, which never ran the hook, gets the layers with the trained weights, those of
+    one process trained on the same batches from the same seed."""
+    pl.seed_everything(0)
+    forked = TiedLM(build_in_configure_model=True)
+    train(forked, Zero3Strategy(start_method="fork"), devices=2)
+    pl.seed_everything(0)
+    reference = TiedLM(build_in_configure_model=True)
+    train(reference, "auto", devices=1)
+
+    expected = reference.state_dict()
+    assert forked.state_dict().keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(forked.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
