@@ -1,5 +1,5 @@
 """A model-state memory report for the start of ``fit``: what this rank holds, measured by walking tensors, beside
-what the ZeRO paper's formulas expect (:mod:`lightning_zero.estimate`)."""
+what the ZeRO paper's formulas expect (:mod:`lightning_zero.estimate`), and how it is logged."""
 
 from __future__ import annotations
 
