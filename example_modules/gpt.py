@@ -15,6 +15,9 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+INIT_STD = 0.02  # GPT-2's standard deviation for weights and embeddings
 
 
 class GPTShape(NamedTuple):
@@ -42,14 +45,40 @@ def shape_of(size: str) -> GPTShape:
     return SIZES[size]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` initialised as GPT-2 does: weights from N(0, ``std``), zero bias.
+
+    The rule lives in ``reset_parameters()``, which ZeRO stage 3 replays shard by shard on layers it created on the
+    meta device (in ``configure_model``), so every stage starts from this initialisation.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, std: float = INIT_STD) -> None:
+        self.std = std  # before nn.Linear's constructor, which calls reset_parameters()
+        super().__init__(in_features, out_features, bias)
+
+    @override
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised as GPT-2 does, from N(0, 0.02), in ``reset_parameters()`` (see ``Linear``)."""
+
+    @override
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=INIT_STD)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int) -> None:
+    def __init__(self, d_model: int, n_head: int, residual_std: float) -> None:
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}.")
         self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = Linear(d_model, 3 * d_model)
+        self.proj = Linear(d_model, d_model, std=residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
@@ -60,26 +89,32 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention then a 4x MLP, each added to the residual stream."""
+    """Pre-norm transformer block: attention then a 4x MLP, each added to the residual stream.
 
-    def __init__(self, d_model: int, n_head: int) -> None:
+    ``residual_std`` initialises the two layers that write into the residual stream: GPT-2 scales them down with depth
+    so the stream's variance does not grow with the number of blocks.
+    """
+
+    def __init__(self, d_model: int, n_head: int, residual_std: float) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, residual_std)
         self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            Linear(d_model, 4 * d_model), nn.GELU(), Linear(4 * d_model, d_model, std=residual_std)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
-    def residual_projections(self) -> list[nn.Linear]:
-        """The layers that write into the residual stream."""
-        return [self.attn.proj, self.mlp[-1]]
-
 
 class GPTLanguageModel(LightningModule):
     """A decoder-only language model of a named size, trained with AdamW and a warmup-then-cosine schedule.
+
+    The layers are built in ``configure_model``, which the ``Trainer`` calls inside the strategy's initialisation
+    context: under ZeRO stage 3 they are created on the meta device and each rank then materialises only its shards,
+    so even the large sizes never exist whole on one rank. Outside a ``Trainer``, call ``configure_model()`` first.
 
     Args:
         size: one of ``SIZES``.
@@ -99,30 +134,34 @@ class GPTLanguageModel(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        shape = shape_of(size)
-        self.shape = shape
-        self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
-        self.pos_emb = nn.Embedding(shape.seq_len, shape.d_model)
-        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_head) for _ in range(shape.n_layer))
-        self.ln_f = nn.LayerNorm(shape.d_model)
-        self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied: one matrix reads tokens in and scores them out
-        self._init_weights()
+        self.shape = shape_of(size)
 
-    def _init_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        # GPT-2: scale what each residual branch adds so the stream's variance does not grow with depth.
-        residual_std = 0.02 / math.sqrt(2 * self.shape.n_layer)
-        for block in self.blocks:
-            for layer in block.residual_projections():
-                nn.init.normal_(layer.weight, std=residual_std)
+    @override
+    def configure_model(self) -> None:
+        """Build the layers, once: Lightning calls this hook on every ``fit``, ``validate``, ``test`` and ``predict``.
+        Weights come from each layer's ``reset_parameters()`` (GPT-2's initialisation), so stage 3 can replay it."""
+        if self.layers_built:
+            return
+        shape = self.shape
+        residual_std = INIT_STD / math.sqrt(2 * shape.n_layer)
+        self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
+        self.pos_emb = Embedding(shape.seq_len, shape.d_model)
+        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_head, residual_std) for _ in range(shape.n_layer))
+        self.ln_f = nn.LayerNorm(shape.d_model)
+        self.head = Linear(shape.d_model, shape.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: one matrix reads tokens in and scores them out
+
+    @property
+    def layers_built(self) -> bool:
+        return "blocks" in self._modules
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (batch, seq) of ids -> logits (batch, seq, vocab_size)."""
+        if not self.layers_built:
+            raise RuntimeError(
+                "The GPT's layers are built in `configure_model`, which the Trainer calls."
+                " HINT: call `model.configure_model()` before using the model outside a Trainer."
+            )
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:

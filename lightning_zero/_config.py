@@ -72,6 +72,9 @@ class ZeroConfig:
         if self.offload_parameters and self.offload_optimizer is OffloadTarget.DEVICE:
             return OffloadTarget.CPU
         return self.offload_optimizer
+    memory_report: bool = True
+    """Log, on rank 0 right after the first optimizer step of each ``fit``, this rank's measured model-state bytes
+    beside the ZeRO paper's estimate for the same stage, ranks and precision."""
 
     @classmethod
     def from_options(
@@ -88,6 +91,7 @@ class ZeroConfig:
         offload_parameters: object = False,
         offload_dir: object = None,
         pin_memory: object = True,
+        memory_report: object = True,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
@@ -116,6 +120,11 @@ class ZeroConfig:
                 checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
         if not isinstance(master_weights, bool):
             raise ValueError(f"`master_weights={master_weights!r}` must be True or False.")
+        if not isinstance(memory_report, bool):
+            raise ValueError(
+                f"`memory_report={memory_report!r}` must be True or False. HINT: `memory_report=False` turns the"
+                " report off."
+            )
         dtype = _resolve_dtype(reduce_dtype)
         if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
@@ -158,6 +167,7 @@ class ZeroConfig:
             offload_parameters=offload_parameters,
             offload_dir=directory,
             pin_memory=pin_memory,
+            memory_report=memory_report,
         )
 
     @property

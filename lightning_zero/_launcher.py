@@ -1,6 +1,7 @@
 """The launcher for ``start_method="fork"``, ``"spawn"`` or ``"forkserver"`` (notebooks): Lightning's, except that the
 weights rank 0 hands back to the main process are whole tensors, so the module there ends ``fit`` trained under every
-stage, and that forked ranks compute on one thread each."""
+stage, that the main process builds the layers a module creates in ``configure_model`` before it loads them, and that
+forked ranks compute on one thread each."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -39,6 +41,17 @@ class FullWeightsLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             handle.remove()
+
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Lightning loads the returned weights leniently (``strict=False``): into a module whose layers only the
+        ranks built, in ``configure_model``, nothing would load. Build them here first, as ``load_from_checkpoint``
+        does (the hook must be idempotent), so they receive the trained weights."""
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and is_overridden("configure_model", module):
+            module.configure_model()
+        super()._recover_results_in_main_process(worker_output, trainer)
 
 
 def _gather_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -1,14 +1,17 @@
 """Makes Lightning's precision plugins work with ZeRO's gradients: clipping where the stage keeps them, and the
-engine's loss scaling where gradients are fp16 and sharded."""
+engine's loss scaling where gradients are fp16 and sharded.
+
+Each of Lightning's plugins that a ``precision=`` flag gives a DDP-style strategy has a ZeRO-aware subclass defined
+here, at module level, so a strategy holding one pickles by reference (``start_method="spawn"`` sends it to every
+rank). The plugin the Trainer built becomes an instance of that subclass in place, keeping its settings."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cache
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -45,14 +48,43 @@ class _ZeroPrecisionMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-@cache
-def _zero_aware_class(cls: type[Precision]) -> type[Precision]:
-    return type(f"Zero{cls.__name__}", (_ZeroPrecisionMixin, cls), {})
+class ZeroPrecision(_ZeroPrecisionMixin, Precision):
+    """``precision="32-true"``."""
+
+
+class ZeroMixedPrecision(_ZeroPrecisionMixin, MixedPrecision):
+    """``precision="16-mixed"`` and ``"bf16-mixed"``."""
+
+
+class ZeroHalfPrecision(_ZeroPrecisionMixin, HalfPrecision):
+    """``precision="16-true"`` and ``"bf16-true"``."""
+
+
+class ZeroDoublePrecision(_ZeroPrecisionMixin, DoublePrecision):
+    """``precision="64-true"``."""
+
+
+_ZERO_AWARE: dict[type[Precision], type[Precision]] = {
+    Precision: ZeroPrecision,
+    MixedPrecision: ZeroMixedPrecision,
+    HalfPrecision: ZeroHalfPrecision,
+    DoublePrecision: ZeroDoublePrecision,
+}
 
 
 def zero_aware(plugin: Precision) -> Precision:
-    """Give ``plugin`` (any Lightning precision plugin, kept as an instance of its class) ZeRO-aware clipping and loss
-    scaling."""
-    if not isinstance(plugin, _ZeroPrecisionMixin):
-        plugin.__class__ = _zero_aware_class(type(plugin))
+    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of the matching ``Zero*`` class,
+    with its settings (a ``MixedPrecision``'s scaler, a ``HalfPrecision``'s dtype) kept."""
+    if isinstance(plugin, _ZeroPrecisionMixin):
+        return plugin
+    zero_class = _ZERO_AWARE.get(type(plugin))
+    if zero_class is None:
+        known = ", ".join(f"`{cls.__name__}`" for cls in _ZERO_AWARE)
+        raise TypeError(
+            f"The precision plugin `{type(plugin).__name__}` is not one the ZeRO strategies can adapt; they clip and"
+            f" scale sharded gradients in Lightning's {known}. HINT: pass `Trainer(precision=...)` with one of"
+            " '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true', '64-true'; for a plugin of your own,"
+            " derive it from the matching class of `lightning_zero._precision`, e.g. `ZeroMixedPrecision`."
+        )
+    plugin.__class__ = zero_class
     return plugin

@@ -1,14 +1,20 @@
 """A model-state memory report for the start of ``fit``: what this rank holds, measured by walking tensors, beside
-what the ZeRO paper's formulas expect (:mod:`lightning_zero.estimate`)."""
+what the ZeRO paper's formulas expect (:mod:`lightning_zero.estimate`), and how it is logged."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections import Counter
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core import rank_zero
 from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
@@ -92,3 +98,22 @@ def optimizer_kind(optimizers: Iterable[Optimizer]) -> str | None:
         else:
             return None
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def log_info(message: str) -> None:
+    """Log ``message`` on rank 0 as Lightning logs its own information (``rank_zero_info``). The console handler that
+    prints it writes through ``tqdm.write`` meanwhile, so a progress bar being drawn moves below the message instead
+    of running into its first line."""
+    console = _console_logger(rank_zero.log)  # the logger `rank_zero_info` writes to, Lightning's
+    with logging_redirect_tqdm([console]) if console is not None else nullcontext():
+        rank_zero_info(message)
+
+
+def _console_logger(logger: logging.Logger) -> logging.Logger | None:
+    """The first logger from ``logger`` up its propagation chain with a handler printing to stdout or stderr."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(getattr(h, "stream", None) in (sys.stdout, sys.stderr) for h in current.handlers):
+            return current
+        current = current.parent if current.propagate else None
+    return None

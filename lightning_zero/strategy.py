@@ -49,6 +49,7 @@ from lightning_zero._offload import DiskState, OffloadTarget, host_kernels
 from lightning_zero._optimizer import ZeroOptimizer
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
+from lightning_zero._report import log_info, memory_report
 from lightning_zero._stage3 import ShardedModule, check_even_batches, check_plain_loss
 from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
 
@@ -102,6 +103,12 @@ class ZeroStrategy(DDPStrategy):
             it is gathered (implies the optimizer on the host).
         offload_dir: the directory of ``offload_optimizer="disk"``, on a local disk with room for the state.
         pin_memory: page-lock the host copies of a CUDA module's state (faster, asynchronous transfers).
+        memory_report: log on rank 0, once per ``fit``, a table of this rank's model-state bytes (parameters,
+            gradients, master weights, optimizer state) measured by walking tensors, beside the estimate of
+            ``python -m lightning_zero estimate`` for the same stage, ranks and precision. It is logged right after
+            the first optimizer step, the first moment at which gradients and optimizer state all exist (with several
+            optimizers, only the one that stepped has state then), through Lightning's logging
+            (``rank_zero_info``, logger ``lightning.pytorch``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -122,6 +129,7 @@ class ZeroStrategy(DDPStrategy):
         offload_parameters: bool = False,
         offload_dir: str | Path | None = None,
         pin_memory: bool = True,
+        memory_report: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -136,8 +144,8 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(
                 f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
                 " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy`, `activation_checkpointing`,"
-                " `master_weights`, `reduce_dtype`, `offload_optimizer`, `offload_parameters`, `offload_dir` and"
-                " `pin_memory`; the rest are those of Lightning's `DDPStrategy`."
+                " `master_weights`, `reduce_dtype`, `offload_optimizer`, `offload_parameters`, `offload_dir`,"
+                " `pin_memory` and `memory_report`; the rest are those of Lightning's `DDPStrategy`."
             )
         if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
             raise ValueError(
@@ -156,6 +164,7 @@ class ZeroStrategy(DDPStrategy):
             offload_parameters=offload_parameters,
             offload_dir=offload_dir,
             pin_memory=pin_memory,
+            memory_report=memory_report,
         )
         super().__init__(
             accelerator=accelerator,
@@ -172,6 +181,7 @@ class ZeroStrategy(DDPStrategy):
         self._meta_init = MetaInit()
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
         self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
+        self._report_due = False  # whether the next optimizer step is the first of a `fit` that logs the report
 
     @property
     def stage(self) -> Stage:
@@ -252,6 +262,7 @@ class ZeroStrategy(DDPStrategy):
                     _sync_module_states(self.model)  # every rank starts from rank 0's weights, as under DDP
         if fitting:
             self.setup_optimizers(trainer)
+            self._report_due = self.config.memory_report
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -332,19 +343,6 @@ class ZeroStrategy(DDPStrategy):
         self._buffers_due = True
         self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
 
-    @override
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
-        """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
-        and disk-offloaded state created or replaced by the step moves into its files."""
-        host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
-        with host_kernels(_unwrap(optimizer)) if host_step else nullcontext():
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._disk is not None:
-            self._disk.adopt(_unwrap(optimizer))
-        return output
-
     def _engine_precision(self, module: torch.nn.Module) -> EnginePrecision:
         """The dtypes the engine adds to the module's. Loss scaling is the engine's wherever fp16 gradients end up in
         shards: with fp16 master-weight training, and in place of Lightning's ``GradScaler`` (``"16-mixed"`` on GPU),
@@ -367,6 +365,43 @@ class ZeroStrategy(DDPStrategy):
             host=self.config.offload is not OffloadTarget.DEVICE,
             pin_memory=self.config.pin_memory,
         )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
+        and disk-offloaded state created or replaced by the step moves into its files. The first step of a ``fit``
+        is followed by the memory report."""
+        host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
+        with host_kernels(_unwrap(optimizer)) if host_step else nullcontext():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._disk is not None:
+            self._disk.adopt(_unwrap(optimizer))
+        if self._report_due:
+            self._report_due = False
+            self._log_memory_report()
+        return output
+
+    def _log_memory_report(self) -> None:
+        """Rank 0's model state beside the estimate; other ranks measure nothing (no collective is involved)."""
+        if not self.is_global_zero:
+            return
+        assert self.lightning_module is not None
+        report = memory_report(
+            self.lightning_module,
+            self.optimizers,
+            strategy=f"zero{int(self.stage)}",
+            num_ranks=self.world_size,
+            num_nodes=self.num_nodes,
+            master_weights=self.config.master_weights,
+            engine=self._engine,
+        )
+        log_info(report)
 
     @contextmanager
     @override

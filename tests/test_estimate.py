@@ -3,6 +3,7 @@ command line, and the model-state report that puts the two side by side."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -147,14 +148,17 @@ def test_module_counted_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -
 
 # Measured: the parity tests' classifier (10 parameters of odd shapes, a 0-dim one among them) widened to 136 k
 # parameters, trained with Adam for two steps on 2 processes under each strategy: in fp32, and as bf16 with fp32
-# master weights (in stage 3 the fp32 shards are the masters, so parameters and gradients are fp32 there).
+# master weights (in stage 3 the fp32 shards are the masters, so parameters and gradients are fp32 there). Every
+# ZeRO run logs its memory report too, but the one with `memory_report=false`.
 MODULE_KWARGS = {"hidden": 256}
 MASTER = "master_weights=true"
+SILENT = "zero2:memory_report=false"
 MEASURED = [
-    {"name": "fp32", "strategies": STRATEGIES},
+    {"name": "fp32", "strategies": [*STRATEGIES, SILENT]},
     {"name": "master", "strategies": [f"{s}:{MASTER}" for s in STRATEGIES[1:]],
      "trainer_kwargs": {"precision": "bf16-true"}},
 ]  # fmt: skip
+CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +167,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     return run_scenarios(scenarios, 2, tmp_path_factory.mktemp("estimate"))
 
 
-@pytest.mark.parametrize(
-    ("scenario", "strategy"), [(s["name"], strategy) for s in MEASURED for strategy in s["strategies"]]
-)
-def test_estimate_matches_measured_bytes(measured: list[dict[Any, Any]], scenario: str, strategy: str) -> None:
-    """Every category on every rank within padding of the estimate: shards are split by rows, so a rank holds at most
-    one row of each parameter more or less than 1/N (per tensor kept: up to two Adam moments of 4 bytes), plus one
-    4-byte step counter and one 4-byte gradient-presence flag per parameter."""
+def expected_bytes(scenario: str, strategy: str, num_ranks: int) -> tuple[ModelStateBytes, int]:
+    """The estimate for a measured run, and by how much each category may differ from it: shards are split by rows,
+    so a rank holds at most one row of each parameter more or less than 1/N (per tensor kept: up to two Adam moments
+    of 4 bytes), plus one 4-byte step counter and one 4-byte gradient-presence flag per parameter."""
     from tests.workers.modules import Classifier
 
     params = list(Classifier(**MODULE_KWARGS).parameters())
@@ -178,14 +179,68 @@ def test_estimate_matches_measured_bytes(measured: list[dict[Any, Any]], scenari
     master = scenario == "master"
     precision = "bf16-true" if master else "32-true"
     name = strategy.split(":")[0]
-    expected = estimate(num_params, num_ranks=len(measured), precision=precision, master_weights=master)[name].per_rank
-    slack = 8 * rows + 4 * count
+    expected = estimate(num_params, num_ranks=num_ranks, precision=precision, master_weights=master)[name].per_rank
+    return expected, 8 * rows + 4 * count
+
+
+@pytest.mark.parametrize(
+    ("scenario", "strategy"), [(s["name"], strategy) for s in MEASURED for strategy in s["strategies"]]
+)
+def test_estimate_matches_measured_bytes(measured: list[dict[Any, Any]], scenario: str, strategy: str) -> None:
+    """Every category on every rank within padding of the estimate."""
+    expected, slack = expected_bytes(scenario, strategy, len(measured))
     for rank, per_rank in enumerate(measured):
         got: ModelStateBytes = per_rank[(scenario, strategy)]["model_state"]
-        for category in ("parameters", "gradients", "master_weights", "optimizer_state"):
+        for category in CATEGORIES:
             diff = getattr(got, category) - getattr(expected, category)
             assert abs(diff) <= slack, f"rank {rank} {strategy} {category}: {got} vs {expected}"
         assert abs(got.total - expected.total) <= 4 * slack
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def report_rows(report: str) -> dict[str, tuple[float, float, str]]:
+    """``| optimizer state | 533.1 KiB | 532.0 KiB |`` -> ``{"optimizer_state": (545894.4, 51.2, "532.0 KiB")}``: the
+    measured bytes as printed, how far printing to one decimal may have moved them, and the estimate as printed."""
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].replace(" ", "_") in CATEGORIES:
+            value, unit = cells[1].split()
+            rounding = 0 if unit == "B" else 0.05 * _UNITS[unit]
+            rows[cells[0].replace(" ", "_")] = (float(value) * _UNITS[unit], rounding, cells[2])
+    return rows
+
+
+REPORTED = [(s["name"], strategy) for s in MEASURED for strategy in s["strategies"] if strategy.startswith("zero")]
+
+
+@pytest.mark.parametrize(("scenario", "strategy"), [r for r in REPORTED if r[1] != SILENT])
+def test_memory_report_logged_after_the_first_step(
+    measured: list[dict[Any, Any]], scenario: str, strategy: str
+) -> None:
+    """Rank 0 logs one report per `fit`, after the first optimizer step: every category exists by then, its measured
+    column is within padding of the estimator's bytes and its estimate column prints them. Other ranks log none."""
+    expected, slack = expected_bytes(scenario, strategy, len(measured))
+    (report,) = measured[0][(scenario, strategy)]["memory_reports"]
+    assert report.startswith(f"Model state per rank of 136,197 parameters under `{strategy.split(':')[0]}` on 2 ranks:")
+    assert "created" not in report, report
+    rows = report_rows(report)
+    assert set(rows) == set(CATEGORIES), report
+    for category, (got, rounding, printed_estimate) in rows.items():
+        want = getattr(expected, category)
+        assert printed_estimate == format_bytes(want), report
+        assert abs(got - want) <= slack + rounding, f"{strategy} {category}: {got} vs {want}\n{report}"
+    assert [per_rank[(scenario, strategy)]["memory_reports"] for per_rank in measured[1:]] == [[]]
+
+
+def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> None:
+    """Silent on every rank, and the training is the one the report does not disturb: the weights are zero2's."""
+    assert [per_rank[("fp32", SILENT)]["memory_reports"] for per_rank in measured] == [[], []]
+    silent, reported = measured[0][("fp32", SILENT)]["state_dict"], measured[0][("fp32", "zero2")]["state_dict"]
+    for key, value in reported.items():
+        torch.testing.assert_close(silent[key], value, rtol=0, atol=0)
 
 
 def test_report_of_a_measured_run(measured: list[dict[Any, Any]]) -> None:
@@ -250,3 +305,33 @@ def test_meta_count_of_every_gpt_size() -> None:
     for size, shape in SIZES.items():
         count, _ = count_parameters("example_modules.gpt.GPTLanguageModel", {"size": size})
         assert count == gpt_parameters(shape.n_layer, shape.d_model, shape.vocab_size, shape.seq_len), size
+
+
+def test_memory_report_on_one_device() -> None:
+    """One process, stage 3, with the progress bar drawn: the strategy trains plainly and logs the report once; Adam's
+    state is the estimate plus one 4-byte step counter per parameter tensor, printed to one decimal."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import Zero3Strategy
+    from tests.workers.modules import Classifier
+    from tests.workers.parity import LogRecorder
+
+    recorder, lightning_logger = LogRecorder(), logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(recorder)
+    try:
+        trainer = pl.Trainer(
+            strategy=Zero3Strategy(), accelerator="cpu", devices=1, max_steps=3, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+        )  # fmt: skip
+        trainer.fit(Classifier(**MODULE_KWARGS))
+    finally:
+        lightning_logger.removeHandler(recorder)
+    reports = [m for m in recorder.messages if m.startswith("Model state per rank")]
+    assert len(reports) == 1, reports
+    expected = estimate(136_197, num_ranks=1)["zero3"].per_rank
+    rows = report_rows(reports[0])
+    assert reports[0].splitlines()[0] == "Model state per rank of 136,197 parameters under `zero3` on 1 rank:"
+    for category, (got, rounding, printed_estimate) in rows.items():
+        want = getattr(expected, category)
+        assert printed_estimate == format_bytes(want)
+        assert abs(got - want) <= 4 * 10 + rounding, f"{category}: {got} vs {want}\n{reports[0]}"

@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+from example_modules.gpt import GPTLanguageModel
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "example_modules" / "configs"
@@ -54,3 +57,20 @@ def test_example_config_trains(config: str, chance_loss: float, max_end_loss: fl
         val_losses = [float(row["val_loss"]) for row in csv.DictReader(f) if row["val_loss"]]
     assert len(val_losses) == 2, val_losses  # val_check_interval is half of max_steps
     assert val_losses[-1] < min(val_losses[0], max_end_loss), val_losses
+
+
+def test_gpt_builds_its_layers_once_in_configure_model() -> None:
+    """No layers before `configure_model`; calling it again keeps the first call's parameters (Lightning calls it on
+    every `fit`, `validate`, ...); GPT-2's initialisation comes from the layers' `reset_parameters()`."""
+    model = GPTLanguageModel(size="tiny")
+    assert not model.layers_built and not list(model.parameters())
+    torch.manual_seed(0)
+    model.configure_model()
+    params = list(model.parameters())
+    model.configure_model()
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert model.head.weight is model.tok_emb.weight
+    block = model.blocks[0]
+    assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.001
+    assert abs(block.attn.proj.weight.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.0005  # scaled down with depth
+    assert not block.attn.qkv.bias.any()

@@ -32,8 +32,15 @@ def test_unknown_stage_is_refused(stage: Any) -> None:
 
 
 def test_unknown_option_is_named() -> None:
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['overlap_comm'\].*HINT"):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['overlap_comm'\].*HINT.*`memory_report`"):
         ZeroStrategy(stage=2, overlap_comm=True)
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_memory_report_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"`memory_report=.*` must be True or False. HINT"):
+        ZeroStrategy(memory_report=value)
+    assert ZeroStrategy(memory_report=False).config.memory_report is False
 
 
 def test_fixed_stage_class_refuses_another_stage() -> None:

@@ -113,7 +113,8 @@ def compare_runs(results: list[dict[Any, Any]], spec: dict[str, Any], strategy: 
             if fn == "predict":
                 close(actual["predict"], expected["predict"], f"{what} predict")
             else:
-                assert actual[fn] == pytest.approx(expected[fn], rel=RTOL, abs=ATOL), f"{what} {fn}"
+                # one dict of metrics per dataloader; pytest.approx compares a dict, not a list of them
+                assert [pytest.approx(m, rel=RTOL, abs=ATOL) for m in expected[fn]] == actual[fn], f"{what} {fn}"
 
 
 @pytest.mark.parametrize("strategy", ZERO)

@@ -4,6 +4,7 @@ saves what rank 0 ends with, and what every rank measured, for the test to compa
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,17 @@ from torch.distributed.tensor import DTensor
 from lightning_zero import ZeroStrategy
 from lightning_zero.memory import measure
 from tests.workers.modules import MODULES
+
+
+class LogRecorder(logging.Handler):
+    """Keeps the messages Lightning's loggers emit during a run (the strategy's memory report among them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class MemoryProbe(pl.Callback):
@@ -69,7 +81,13 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         first, _ = fit(scenario, scenario.get("save_with", strategy), max_steps=resume_at)
         ckpt_path = out_dir / f"{scenario['name']}-{strategy}.ckpt"
         first.save_checkpoint(ckpt_path)
-    trainer, probe = fit(scenario, strategy, ckpt_path=ckpt_path)
+    recorder = LogRecorder()
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(recorder)
+    try:
+        trainer, probe = fit(scenario, strategy, ckpt_path=ckpt_path)
+    finally:
+        lightning_logger.removeHandler(recorder)
     module = trainer.lightning_module
     result: dict[str, Any] = {
         "losses": list(module.losses),
@@ -81,6 +99,7 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         "full_grads": probe.full_grads,
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
         "model_state": measure(module, trainer.optimizers, getattr(trainer.strategy, "_engine", None)),
+        "memory_reports": [m for m in recorder.messages if m.startswith("Model state per rank")],
     }
     engine = getattr(trainer.strategy, "_engine", None)
     if engine is not None and any(s.has_master for s in engine.sharded):
