@@ -186,9 +186,13 @@ def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: di
         if isinstance(param, DTensor):
             for key, value in param_state.items():
                 if key in recorded.get(index, ()) if recorded is not None else _was_sharded(key, value, param.shape):
-                    converted[key] = distribute_tensor(
+                    placed = distribute_tensor(
                         value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
                     )
+                    # laid out like the parameter, on its device: a DTensor made by `distribute_tensor` lives on its
+                    # mesh's device type, while offloaded shards live on the host
+                    converted[key] = torch.empty_like(param, dtype=placed.dtype)
+                    converted[key].to_local().copy_(placed.to_local())
         state[index] = converted
     clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
     optimizer.load_state_dict({**clean, "state": state})

@@ -133,6 +133,18 @@ def test_offloaded_checkpoint_resumes(tmp_path: Path) -> None:
         assert_same(results[strategy], results["ddp"], f"{strategy} resumed")
 
 
+def test_ordinary_checkpoint_loads_into_offloaded_runs(tmp_path: Path) -> None:
+    """A single-file checkpoint of a ``"ddp"`` run resumes under offload: each rank keeps its rows of the weights and
+    of the optimizer state, on the host."""
+    path = tmp_path / "ddp.ckpt"
+    train("ddp", steps=6).save_checkpoint(path)
+    reference = train("ddp", steps=10, ckpt_path=path)
+    for strategy in ("zero2_offload", "zero3_offload"):
+        resumed = train(strategy, steps=10, ckpt_path=path)
+        assert where(resumed).state == {"cpu"}
+        assert_same(resumed, reference, f"{strategy} from a ddp file")
+
+
 def test_process_group_without_host_backend_is_refused() -> None:
     """A process group left by an earlier NCCL-only run cannot carry host collectives: a clear error, not a hang."""
     train("ddp", steps=1)
