@@ -56,10 +56,12 @@ def memory_report(
     num_nodes: int = 1,
     master_weights: bool = False,
     engine: object | None = None,
+    offload: bool = False,
 ) -> str:
     """This rank's model state (``lightning_zero.memory.measure``) beside the estimate for ``strategy`` (``"ddp"``,
     ``"zero1"``, ``"zero2"`` or ``"zero3"``), as :func:`format_report`'s table. The estimate takes the parameter
-    count and dtype from ``module`` (a DTensor counts whole) and the optimizer's kind from ``optimizers``."""
+    count and dtype from ``module`` (a DTensor counts whole) and the optimizer's kind from ``optimizers``; with
+    ``offload`` a note says what lives in host memory."""
     optimizers = list(optimizers)
     params = list(module.parameters())
     num_params = sum(p.numel() for p in params)
@@ -82,7 +84,14 @@ def memory_report(
     assumed = "" if kind is not None else ", optimizer state estimated as Adam's"
     ranks = f"{num_ranks} rank{'s' if num_ranks > 1 else ''}"
     title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{assumed}:"
-    return format_report(measure(module, optimizers, engine), expected, title=title)
+    report = format_report(measure(module, optimizers, engine), expected, title=title)
+    if offload:
+        report += (
+            "\n\nOffloaded to host memory: optimizer state and master weights (stages 1 and 2 keep a host copy of"
+            " each shard even for an fp32 module, which the estimate does not count), and in stage 3 the parameter"
+            " shards and their gradients."
+        )
+    return report
 
 
 def optimizer_kind(optimizers: Iterable[Optimizer]) -> str | None:

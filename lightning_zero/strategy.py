@@ -400,6 +400,7 @@ class ZeroStrategy(DDPStrategy):
             num_nodes=self.num_nodes,
             master_weights=self.config.master_weights,
             engine=self._engine,
+            offload=self.config.offload is not OffloadTarget.DEVICE,
         )
         log_info(report)
 

@@ -240,3 +240,27 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
     assert f"ERROR: Could not reserve 2097152 bytes for optimizer state in `{tmp_path}`" in done.stdout
     assert "HINT: free space on that disk" in done.stdout
     assert "KEPT: True" in done.stdout
+
+
+def test_memory_report_says_what_is_offloaded() -> None:
+    """One process under ``"zero2_offload"``: the report's masters are this rank's host copies of its shards (as many
+    bytes as the fp32 parameters), and a note names what lives in host memory."""
+    import logging
+
+    from tests.workers.modules import Classifier
+    from tests.workers.parity import LogRecorder
+
+    recorder, lightning_logger = LogRecorder(), logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(recorder)
+    try:
+        trainer = pl.Trainer(
+            strategy="zero2_offload", accelerator="cpu", devices=1, max_steps=2, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        )  # fmt: skip
+        trainer.fit(Classifier())
+    finally:
+        lightning_logger.removeHandler(recorder)
+    (report,) = [m for m in recorder.messages if m.startswith("Model state per rank")]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in report.splitlines() if " | " in line}
+    assert rows["master weights"] == rows["parameters"] != "0 B"
+    assert "Offloaded to host memory: optimizer state and master weights" in report
