@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
@@ -154,3 +155,22 @@ class ZeroOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def unwrap(optimizer: Optimizer) -> Optimizer:
+    """The optimizer itself, out of Lightning's and this package's wrappers."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    return optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
+
+
+def check_configured(optimizer: object) -> None:
+    """What ``configure_optimizers`` returned must be a plain ``torch.optim`` optimizer."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    if not isinstance(optimizer, Optimizer) or isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"`configure_optimizers` returned {type(optimizer).__name__}, which is not a `torch.optim.Optimizer`."
+            " HINT: return an optimizer from `torch.optim` (or a subclass of `torch.optim.Optimizer`) built on"
+            " `self.parameters()`; ZeRO shards its state itself."
+        )

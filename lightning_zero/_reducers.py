@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
+from lightning_zero._config import Stage
 from lightning_zero._layout import NaturalLayout, RankMajorLayout
 from lightning_zero._loss_scaler import LossScaler
 from lightning_zero._pool import BufferPool
@@ -319,3 +320,13 @@ class ReduceScatterReducer(GradientReducer):
                     target.add_(incoming)
             self._hand_over(sharded)
         bucket.output = None
+
+
+def reducer_for(stage: Stage) -> type[GradientReducer]:
+    """The gradient policy of stage 1 or 2."""
+    match stage:
+        case Stage.OPTIMIZER:
+            return AllReduceReducer
+        case Stage.GRADIENTS:
+            return ReduceScatterReducer
+    raise ValueError(f"Stage {int(stage)} reduces gradients with `fully_shard`, not with a bucket reducer.")

@@ -34,10 +34,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import _collectives as comm
+from lightning_zero._config import ZeroConfig
+from lightning_zero._offload import OffloadTarget
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -166,6 +168,33 @@ class ShardedModule:
         """Keep of each whole tensor in ``state_dict`` (every rank has read the checkpoint) this rank's rows."""
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.module, state_dict, options=options)
+
+
+def offload_policy(config: ZeroConfig, device: torch.device) -> OffloadPolicy | None:
+    """The shards are the optimizer's parameters: offloading either keeps them, their gradients and the optimizer
+    state on the host (``fully_shard``'s CPU offload), and the step runs there."""
+    if config.offload is OffloadTarget.DEVICE:
+        return None
+    return CPUOffloadPolicy(pin_memory=config.pin_memory and device.type == "cuda")
+
+
+def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
+    """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) become fp32 while
+    ``fully_shard`` gathers them in the module's 16-bit dtype and reduces gradients in that dtype (or
+    ``reduce_dtype``)."""
+    reduce_dtype = config.reduce_dtype
+    if not config.master_weights:
+        return None if reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if dtypes != {torch.bfloat16}:
+        raise ValueError(
+            f"`master_weights=True` in stage 3 keeps fp32 shards of a bf16 module; the module's parameters are"
+            f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')`; fp16 master weights with"
+            " loss scaling run in stages 1 and 2."
+        )
+    for param in module.parameters():
+        param.data = param.data.float()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.bfloat16)
 
 
 def check_plain_loss(loss: object) -> None:

@@ -21,13 +21,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -42,15 +41,21 @@ from lightning_zero._checkpoint import (
     sharded_model_state,
 )
 from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._engine import EnginePrecision, EngineState, ZeroEngine
+from lightning_zero._engine import EngineState, ZeroEngine, engine_precision
 from lightning_zero._launcher import FullWeightsLauncher
 from lightning_zero._meta_init import MetaInit, materialize
-from lightning_zero._offload import DiskState, OffloadTarget, host_kernels
-from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._offload import DiskState, OffloadTarget, backend_with_host, check_host_collectives, host_kernels
+from lightning_zero._optimizer import ZeroOptimizer, check_configured, unwrap
 from lightning_zero._precision import zero_aware
-from lightning_zero._reducers import AllReduceReducer, GradientReducer, ReduceMode, ReduceScatterReducer
+from lightning_zero._reducers import ReduceMode, reducer_for
 from lightning_zero._report import log_info, memory_report
-from lightning_zero._stage3 import ShardedModule, check_even_batches, check_plain_loss
+from lightning_zero._stage3 import (
+    ShardedModule,
+    check_even_batches,
+    check_plain_loss,
+    offload_policy,
+    precision_policy,
+)
 from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -64,14 +69,6 @@ def _close_process_group() -> None:
         torch.distributed.destroy_process_group()
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights
 ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
-
-
-def _reducer_for(stage: Stage) -> type[GradientReducer]:
-    match stage:
-        case Stage.OPTIMIZER:
-            return AllReduceReducer
-        case Stage.GRADIENTS:
-            return ReduceScatterReducer
 
 
 class ZeroStrategy(DDPStrategy):
@@ -195,19 +192,9 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def _get_process_group_backend(self) -> str:
-        # Offloaded from CUDA, some collectives carry host tensors (clipping norms, the overflow vote): gloo takes
-        # those, NCCL the device ones.
-        backend = self._process_group_backend
         if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
             return super()._get_process_group_backend()
-        if backend is None:
-            return "cpu:gloo,cuda:nccl"
-        if "gloo" not in backend:
-            raise ValueError(
-                f"Offloading keeps optimizer state on the host, whose collectives need a CPU backend, but"
-                f" `process_group_backend={backend!r}`. HINT: pass 'cpu:gloo,cuda:nccl' or leave it unset."
-            )
-        return backend
+        return backend_with_host(self._process_group_backend)
 
     @property
     @override
@@ -239,7 +226,7 @@ class ZeroStrategy(DDPStrategy):
             )
         super().setup_environment()
         if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
-            _check_host_collectives()
+            check_host_collectives()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -286,41 +273,16 @@ class ZeroStrategy(DDPStrategy):
         # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
         _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
         units = choose_units(module, self.config.auto_wrap_policy)
-        precision, offload = self._stage3_precision(module), self._stage3_offload()
+        precision, offload = precision_policy(self.config, module), offload_policy(self.config, self.root_device)
         self._sharded = ShardedModule(module, mesh, units, self.root_device, precision, offload)
         materialize(module, resets, self.root_device, self._sharded.group, shards_on_host=offload is not None)
         self._buffers_due = True
-
-    def _stage3_offload(self) -> OffloadPolicy | None:
-        """The shards are the optimizer's parameters: offloading either keeps them, their gradients and the optimizer
-        state on the host (``fully_shard``'s CPU offload), and the step runs there."""
-        if self.config.offload is OffloadTarget.DEVICE:
-            return None
-        return CPUOffloadPolicy(pin_memory=self.config.pin_memory and self.root_device.type == "cuda")
-
-    def _stage3_precision(self, module: torch.nn.Module) -> MixedPrecisionPolicy | None:
-        """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) become fp32 while
-        ``fully_shard`` gathers them in the module's 16-bit dtype and reduces gradients in that dtype (or
-        ``reduce_dtype``)."""
-        reduce_dtype = self.config.reduce_dtype
-        if not self.config.master_weights:
-            return None if reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-        dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
-        if dtypes != {torch.bfloat16}:
-            raise ValueError(
-                f"`master_weights=True` in stage 3 keeps fp32 shards of a bf16 module; the module's parameters are"
-                f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')`; fp16 master weights with"
-                " loss scaling run in stages 1 and 2."
-            )
-        for param in module.parameters():
-            param.data = param.data.float()
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.bfloat16)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            _check_optimizer(optimizer)
+            check_configured(optimizer)
         self._remove_engine()
         if not self._sharding and self.config.master_weights:
             raise ValueError(
@@ -335,36 +297,13 @@ class ZeroStrategy(DDPStrategy):
             return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        precision = self._engine_precision(self.lightning_module)
+        precision = engine_precision(self.config, self.lightning_module, self.precision_plugin)
         self._engine = ZeroEngine(
-            self.lightning_module, _reducer_for(self.stage), mesh, self.config.bucket_bytes, precision
+            self.lightning_module, reducer_for(self.stage), mesh, self.config.bucket_bytes, precision
         )
         self.precision_plugin.zero_loss_scaler = self._engine.scaler
         self._buffers_due = True
         self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
-
-    def _engine_precision(self, module: torch.nn.Module) -> EnginePrecision:
-        """The dtypes the engine adds to the module's. Loss scaling is the engine's wherever fp16 gradients end up in
-        shards: with fp16 master-weight training, and in place of Lightning's ``GradScaler`` (``"16-mixed"`` on GPU),
-        which would look only at this rank's shards for overflows."""
-        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
-        if self.config.master_weights and not dtypes & {torch.float16, torch.bfloat16}:
-            raise ValueError(
-                "`master_weights=True` keeps fp32 master shards of a 16-bit module, but the module's parameters are"
-                f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')` (or '16-true')."
-            )
-        plugin = self.precision_plugin
-        takes_over_scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-        if takes_over_scaler:
-            plugin.scaler = None
-        fp16_master = self.config.master_weights and torch.float16 in dtypes
-        return EnginePrecision(
-            master_dtype=self.config.master_dtype,
-            reduce_dtype=self.config.reduce_dtype,
-            loss_scaling=fp16_master or takes_over_scaler,
-            host=self.config.offload is not OffloadTarget.DEVICE,
-            pin_memory=self.config.pin_memory,
-        )
 
     @override
     def optimizer_step(
@@ -378,10 +317,10 @@ class ZeroStrategy(DDPStrategy):
         and disk-offloaded state created or replaced by the step moves into its files. The first step of a ``fit``
         is followed by the memory report."""
         host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
-        with host_kernels(_unwrap(optimizer)) if host_step else nullcontext():
+        with host_kernels(unwrap(optimizer)) if host_step else nullcontext():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._disk is not None:
-            self._disk.adopt(_unwrap(optimizer))
+            self._disk.adopt(unwrap(optimizer))
         if self._report_due:
             self._report_due = False
             self._log_memory_report()
@@ -663,21 +602,13 @@ class ZeroStrategy(DDPStrategy):
                 description=f"ZeRO stage {stage}: {strategy.__doc__.splitlines()[0]}",
                 override=True,
             )
-        strategy_registry.register(
-            "zero2_offload",
-            Zero2Strategy,
-            description="ZeRO stage 2 with optimizer state and step in host memory",
-            override=True,
-            offload_optimizer=True,
-        )
-        strategy_registry.register(
-            "zero3_offload",
-            Zero3Strategy,
-            description="ZeRO stage 3 with parameter shards, optimizer state and step in host memory",
-            override=True,
-            offload_optimizer=True,
-            offload_parameters=True,
-        )
+        offloaded = {"offload_optimizer": True}
+        for name, strategy, options, where in (
+            ("zero2_offload", Zero2Strategy, offloaded, "optimizer state and step"),
+            ("zero3_offload", Zero3Strategy, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
+        ):
+            description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
+            strategy_registry.register(name, strategy, description=description, override=True, **options)
 
 
 class Zero1Strategy(ZeroStrategy):
@@ -696,34 +627,3 @@ class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
 
     default_stage = Stage.PARAMETERS
-
-
-def _check_host_collectives() -> None:
-    """Offloaded state needs collectives on host tensors; a process group made earlier in this process (by another
-    strategy's run) may lack a CPU backend."""
-    try:
-        torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
-    except RuntimeError as error:
-        raise RuntimeError(
-            "Offloading keeps optimizer state on the host, but this process's process group, created before this run,"
-            " has no CPU backend. HINT: call `torch.distributed.destroy_process_group()` before this `fit`, or start"
-            " it in a fresh process; the strategy then creates one with 'cpu:gloo,cuda:nccl'."
-        ) from error
-
-
-def _unwrap(optimizer: Optimizer) -> Optimizer:
-    """The optimizer itself, out of Lightning's and this package's wrappers."""
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
-    return optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
-
-
-def _check_optimizer(optimizer: object) -> None:
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
-    if not isinstance(optimizer, Optimizer) or isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(
-            f"`configure_optimizers` returned {type(optimizer).__name__}, which is not a `torch.optim.Optimizer`."
-            " HINT: return an optimizer from `torch.optim` (or a subclass of `torch.optim.Optimizer`) built on"
-            " `self.parameters()`; ZeRO shards its state itself."
-        )
