@@ -88,13 +88,9 @@ def _give_masters(sharded: list[ShardedParam], precision: EnginePrecision, mesh:
         masters = host_copies(locals_, precision.master_dtype, pin)
         elsewhere = [i for i, t in enumerate(locals_) if t.device.type != "cpu"]
         grads = dict(zip(elsewhere, host_copies([masters[i] for i in elsewhere], None, pin), strict=True))
-        # gradients reduced in the module's own dtype, narrower than the masters', cross the bus in it
-        narrow = [i for i in elsewhere if (precision.reduce_dtype or locals_[i].dtype) == locals_[i].dtype
-                  and locals_[i].dtype != masters[i].dtype]  # fmt: skip
-        transits = dict(zip(narrow, host_copies([locals_[i] for i in narrow], None, pin), strict=True))
         host_mesh = DeviceMesh.from_group(mesh.get_group(), "cpu") if mesh.device_type != "cpu" else None
         for index, (param, master) in enumerate(zip(sharded, masters, strict=True)):
-            param.use_master(master, grads.get(index), host_mesh, transits.get(index))
+            param.use_master(master, grads.get(index), host_mesh)
     elif precision.master_dtype is not None:
         for param in sharded:
             if param.local.dtype != precision.master_dtype:

@@ -70,10 +70,6 @@ class ZeroOptimizer(Optimizer):
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
-        # offloaded 16-bit rows go back through their transit buffers, narrowed on the host first
-        self._transits = [s.transit for s in with_master if s.transit is not None]
-        self._transit_masters = [s.master for s in with_master if s.transit is not None]
-        self._row_sources = [s.master if s.transit is None else s.transit for s in with_master]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -114,10 +110,8 @@ class ZeroOptimizer(Optimizer):
                 for sharded in self.sharded:
                     sharded.release_grad_copy()
             with torch.no_grad():
-                if self._transits:
-                    torch._foreach_copy_(self._transits, self._transit_masters)
                 if self._masters:  # from the host: asynchronous, ordered before the gather on the device's stream
-                    torch._foreach_copy_(self._module_rows, self._row_sources, non_blocking=self._host)
+                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=self._host)
                 self._gather(self._shard_ids)
         if self._scaler is not None:
             self._scaler.update()

@@ -104,8 +104,6 @@ class GradientReducer:
         # Offloaded from a CUDA device: gradients are copied to host buffers asynchronously as they are published.
         to_host = [s for b in buckets for s in b if s.grad_to_host]
         self._host_copies_on = to_host[0].param.device if to_host else None
-        self._transits = [s.transit for s in to_host if s.transit is not None]
-        self._transit_targets = [s.host_grad for s in to_host if s.transit is not None]
         self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
         self.group = group
         self.world_size = group.size()
@@ -197,18 +195,11 @@ class GradientReducer:
                 bucket.reset()
             if self._host_copies_on is not None:  # the host reads them next (unscale, clipping, the step)
                 torch.cuda.current_stream(self._host_copies_on).synchronize()
-                self._widen_transits()
             if self.scaler is not None:
                 self.scaler.unscale_(self._published)
         self._published = []
         self._next_launch = 0
         self._in_backward = False
-
-    def _widen_transits(self) -> None:
-        """Gradients that crossed to the host in the module's 16-bit dtype become the masters' dtype there (a
-        parameter without a gradient this step widens a stale value that its ``None`` gradient hides)."""
-        if self._transits:
-            torch._foreach_copy_(self._transit_targets, self._transits)
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.state is BucketState.REDUCING:

@@ -35,29 +35,21 @@ class ShardedParam:
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
         self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
         self._grad_view: DTensor | None = None  # a DTensor over ``grad_storage`` when the optimizer can use it as is
-        self.host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient lands for the step
+        self._host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient is copied for the step
         self._host_grad_view: DTensor | None = None
-        # offloaded with a wider master dtype: a pinned buffer in the module's dtype through which gradients come to
-        # the host and updated rows go back, so 16-bit values cross the bus as 16 bits
-        self.transit: torch.Tensor | None = None
 
     def use_master(
-        self,
-        master: torch.Tensor,
-        host_grad: torch.Tensor | None = None,
-        host_mesh: DeviceMesh | None = None,
-        transit: torch.Tensor | None = None,
+        self, master: torch.Tensor, host_grad: torch.Tensor | None = None, host_mesh: DeviceMesh | None = None
     ) -> None:
         """Let the optimizer step on ``master``, a copy of ``local`` in another dtype or on the host, instead of the
-        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host,
-        through ``transit`` when given. ``host_mesh``: the same ranks as a CPU mesh, for host tensors of a module on
-        another device (a DTensor moves its local tensor to its mesh's device type)."""
+        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host.
+        ``host_mesh``: the same ranks as a CPU mesh, for host tensors of a module on another device (a DTensor
+        moves its local tensor to its mesh's device type)."""
         self.host_mesh = host_mesh
         self.master = master
         self.shard = nn.Parameter(self.wrap(master), requires_grad=self.param.requires_grad)
-        self.host_grad = host_grad
+        self._host_grad = host_grad
         self._host_grad_view = None if host_grad is None else self.wrap(host_grad)
-        self.transit = transit
 
     @property
     def has_master(self) -> bool:
@@ -73,7 +65,7 @@ class ShardedParam:
 
     @property
     def grad_to_host(self) -> bool:
-        return self.host_grad is not None
+        return self._host_grad is not None
 
     def set_grad_storage(self, local_grad: torch.Tensor) -> None:
         self.grad_storage = local_grad
@@ -83,13 +75,12 @@ class ShardedParam:
     def publish_grad(self, copy: bool) -> torch.Tensor:
         """Hand the reduced gradient to the optimizer, as a view of its storage or, when ``copy`` (the caller will
         unscale it in place) or the master dtype differs, as a copy in the master dtype; offloaded to the host, into
-        its host buffer (or its transit buffer, widened by the reducer once the copies are done), asynchronously.
-        Returns its local tensor."""
+        its host buffer, asynchronously (the reducer waits for the copies). Returns its local tensor."""
         assert self.grad_storage is not None
-        if self.host_grad is not None:
-            (self.host_grad if self.transit is None else self.transit).copy_(self.grad_storage, non_blocking=True)
+        if self._host_grad is not None:
+            self._host_grad.copy_(self.grad_storage, non_blocking=True)
             self.shard.grad = self._host_grad_view
-            return self.host_grad
+            return self._host_grad
         if self._grad_view is not None and not copy:
             self.shard.grad = self._grad_view
             return self.grad_storage
