@@ -84,7 +84,9 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             return _all_gather(output, chunk, group=group, async_op=True)
         size, me = group.size(), group.rank()
         rows = output.view(size, -1)
-        rows[me].copy_(chunk)
+        in_place = chunk.data_ptr() == rows[me].data_ptr() and chunk.is_contiguous()  # `fully_shard` puts it there
+        if not in_place:
+            rows[me].copy_(chunk)
         if size == 1:
             return Exchange([])
         ops = []
