@@ -42,7 +42,6 @@ class FullWeightsLauncher(_MultiProcessingLauncher):
         finally:
             handle.remove()
 
-
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         """Lightning loads the returned weights leniently (``strict=False``): into a module whose layers only the
