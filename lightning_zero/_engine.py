@@ -79,18 +79,16 @@ def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[S
 
 
 def _give_masters(sharded: list[ShardedParam], precision: EnginePrecision, mesh: DeviceMesh) -> None:
-    """Separate master copies where the optimizer steps in another dtype or on the host; offloaded from a device,
-    each gets a host buffer for its reduced gradient too, and the host tensors live on a CPU mesh of the same ranks
-    (the process group must take host tensors: ``cpu:gloo,cuda:nccl``)."""
+    """Separate master copies where the optimizer steps in another dtype or on the host; offloaded from a device, the
+    host tensors live on a CPU mesh of the same ranks (the process group must take host tensors:
+    ``cpu:gloo,cuda:nccl``), and the reducer gives each a host buffer for its gradient."""
     if precision.host:
         locals_ = [s.local for s in sharded]
         pin = precision.pin_memory and any(t.device.type == "cuda" for t in locals_)
         masters = host_copies(locals_, precision.master_dtype, pin)
-        elsewhere = [i for i, t in enumerate(locals_) if t.device.type != "cpu"]
-        grads = dict(zip(elsewhere, host_copies([masters[i] for i in elsewhere], None, pin), strict=True))
         host_mesh = DeviceMesh.from_group(mesh.get_group(), "cpu") if mesh.device_type != "cpu" else None
-        for index, (param, master) in enumerate(zip(sharded, masters, strict=True)):
-            param.use_master(master, grads.get(index), host_mesh)
+        for param, master in zip(sharded, masters, strict=True):
+            param.use_master(master, host_mesh)
     elif precision.master_dtype is not None:
         for param in sharded:
             if param.local.dtype != precision.master_dtype:

@@ -62,7 +62,7 @@ def check_directory(option: str, directory: Path) -> Path:
 
 def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: bool) -> list[torch.Tensor]:
     """Host copies of ``tensors`` (in ``dtype``, or each one's own), carved out of a few large allocations per dtype
-    rather than one per tensor (see :func:`_pinned_blocks` for the pinned case)."""
+    rather than one per tensor (see :func:`pinned_views` for the pinned case)."""
     copies: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -70,7 +70,7 @@ def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: boo
     for same_dtype, indices in by_dtype.items():
         numels = [tensors[i].numel() for i in indices]
         if pin:
-            parts = _pinned_blocks(numels, same_dtype)
+            parts = pinned_views(numels, same_dtype)
         else:
             parts = list(torch.empty(sum(numels), dtype=same_dtype).split(numels))
         for index, part in zip(indices, parts, strict=True):
@@ -79,7 +79,7 @@ def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: boo
     return copies  # type: ignore[return-value]
 
 
-def _pinned_blocks(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+def pinned_views(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Pinned 1D views of ``numels`` elements each, packed into blocks whose sizes are powers of two: the pinned
     allocator rounds every request up to one, so a single block of 4.3 GB would hold 8 GB of host memory. Largest
     first, each new block is the largest power of two the remaining elements fill (or the tensor's own, rounded up)."""

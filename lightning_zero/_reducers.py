@@ -24,6 +24,7 @@ from lightning_zero import _collectives as comm
 from lightning_zero._config import Stage
 from lightning_zero._layout import NaturalLayout, RankMajorLayout
 from lightning_zero._loss_scaler import LossScaler
+from lightning_zero._offload import host_copies, pinned_views
 from lightning_zero._pool import BufferPool
 from lightning_zero._sharded_param import ShardedParam
 
@@ -69,6 +70,8 @@ class Bucket:
         self.layout: NaturalLayout | RankMajorLayout | None = None
         self.regions: list[torch.Tensor] = []  # stage 1: each parameter's full gradient inside ``buffer``
         self.shard_grads: torch.Tensor | None = None  # stage 2, 1D (chunk_numel): this rank's gradient shards
+        self.host_mirror: torch.Tensor | None = None  # stage 2 offloaded: ``shard_grads`` on the host, pinned
+        self.streamed = False  # ``host_mirror`` is being filled on the copy stream in this backward
 
     @property
     def complete(self) -> bool:
@@ -79,6 +82,7 @@ class Bucket:
         self.staged = [False] * len(self.params)
         self.num_staged = 0
         self.work = None
+        self.streamed = False
 
 
 class GradientReducer:
@@ -101,9 +105,10 @@ class GradientReducer:
         # Gradients handed to the optimizer as copies (another dtype, or unscaled) no longer alias ``param.grad``.
         copies = scaler is not None or any(s.has_master for b in buckets for s in b)
         self.grad_home = GradHome.SHARD if copies else type(self).grad_home
-        # Offloaded from a CUDA device: gradients are copied to host buffers asynchronously as they are published.
+        # Offloaded from a CUDA device: gradients are copied to host buffers asynchronously.
         to_host = [s for b in buckets for s in b if s.grad_to_host]
         self._host_copies_on = to_host[0].param.device if to_host else None
+        self._copy_stream = torch.cuda.Stream(self._host_copies_on) if to_host else None
         self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
         self.group = group
         self.world_size = group.size()
@@ -118,6 +123,8 @@ class GradientReducer:
             for index, sharded in enumerate(bucket.params):
                 hook = partial(self._on_grad_ready, bucket, index)
                 self._handles.append(sharded.param.register_post_accumulate_grad_hook(hook))
+        if to_host:
+            self._give_host_grads([b for b in self.buckets if any(s.grad_to_host for s in b.params)])
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -193,8 +200,9 @@ class GradientReducer:
                 self._wait(bucket)
                 self._publish(bucket)
                 bucket.reset()
-            if self._host_copies_on is not None:  # the host reads them next (unscale, clipping, the step)
+            if self._copy_stream is not None:  # the host reads them next (unscale, clipping, the step)
                 torch.cuda.current_stream(self._host_copies_on).synchronize()
+                self._copy_stream.synchronize()
             if self.scaler is not None:
                 self.scaler.unscale_(self._published)
         self._published = []
@@ -210,6 +218,21 @@ class GradientReducer:
 
     def _release_input(self, bucket: Bucket) -> None:
         """Called once a bucket's collective no longer reads its input."""
+
+    def _give_host_grads(self, buckets: list[Bucket]) -> None:
+        """Offloaded: a pinned host buffer per parameter, filled when its gradient is published."""
+        to_host = [s for bucket in buckets for s in bucket.params if s.grad_to_host]
+        for sharded, host_grad in zip(to_host, host_copies([s.master for s in to_host], None, True), strict=True):
+            sharded.use_host_grad(host_grad)
+
+    def _copy_to_host(self, bucket: Bucket) -> None:
+        """Stage 2 offloaded: the whole bucket's gradient shards to its host mirror in one copy, on a side stream so
+        that it overlaps the rest of backward; queued after the collective that produced them."""
+        assert self._copy_stream is not None and bucket.host_mirror is not None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        with torch.cuda.stream(self._copy_stream):
+            bucket.host_mirror.copy_(bucket.shard_grads, non_blocking=True)
+        bucket.streamed = True
 
     def _hand_over(self, sharded: ShardedParam) -> None:
         self._published.append(sharded.publish_grad(copy=self.scaler is not None))
@@ -304,6 +327,20 @@ class ReduceScatterReducer(GradientReducer):
     def _release_input(self, bucket: Bucket) -> None:
         self.pool.release(bucket.buffer)
         bucket.buffer = None
+        if bucket.host_mirror is not None and bucket.output is bucket.shard_grads:  # final: stream it now
+            self._copy_to_host(bucket)
+
+    def _give_host_grads(self, buckets: list[Bucket]) -> None:
+        """Offloaded: each bucket whose gradients are already in the masters' dtype gets a pinned mirror of its
+        gradient shards, whose regions are its parameters' host gradients (no copy per parameter, and the mirror
+        fills while backward runs); other buckets get a buffer per parameter."""
+        mirrored = [b for b in buckets if all(s.grad_to_host and s.master.dtype == b.dtype for s in b.params)]
+        mirrors = pinned_views([b.layout.chunk_numel for b in mirrored], mirrored[0].dtype) if mirrored else []
+        for bucket, mirror in zip(mirrored, mirrors, strict=True):
+            bucket.host_mirror = mirror
+            for index, sharded in enumerate(bucket.params):
+                sharded.use_host_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
+        super()._give_host_grads([b for b in buckets if b.host_mirror is None])
 
     def _publish(self, bucket: Bucket) -> None:
         layout = bucket.layout
@@ -319,6 +356,8 @@ class ReduceScatterReducer(GradientReducer):
                 else:
                     target.add_(incoming)
             self._hand_over(sharded)
+        if bucket.host_mirror is not None and not bucket.streamed:  # accumulated into the shards just now
+            self._copy_to_host(bucket)
         bucket.output = None
 
 

@@ -35,21 +35,24 @@ class ShardedParam:
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
         self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
         self._grad_view: DTensor | None = None  # a DTensor over ``grad_storage`` when the optimizer can use it as is
-        self._host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient is copied for the step
+        self.host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient lands for the step
         self._host_grad_view: DTensor | None = None
+        self._host_grad_streamed = False  # the reducer copies the whole bucket there itself
 
-    def use_master(
-        self, master: torch.Tensor, host_grad: torch.Tensor | None = None, host_mesh: DeviceMesh | None = None
-    ) -> None:
+    def use_master(self, master: torch.Tensor, host_mesh: DeviceMesh | None = None) -> None:
         """Let the optimizer step on ``master``, a copy of ``local`` in another dtype or on the host, instead of the
-        module's rows; ``host_grad``, shaped like it, receives each reduced gradient when it lives on the host.
-        ``host_mesh``: the same ranks as a CPU mesh, for host tensors of a module on another device (a DTensor
-        moves its local tensor to its mesh's device type)."""
+        module's rows. ``host_mesh``: the same ranks as a CPU mesh, for host tensors of a module on another device
+        (a DTensor moves its local tensor to its mesh's device type)."""
         self.host_mesh = host_mesh
         self.master = master
         self.shard = nn.Parameter(self.wrap(master), requires_grad=self.param.requires_grad)
-        self._host_grad = host_grad
-        self._host_grad_view = None if host_grad is None else self.wrap(host_grad)
+
+    def use_host_grad(self, host_grad: torch.Tensor, streamed: bool = False) -> None:
+        """Offloaded: reduced gradients land in ``host_grad`` (host, shaped and typed like the master), copied there
+        at publication or, when ``streamed``, by the reducer with the rest of their bucket."""
+        self.host_grad = host_grad
+        self._host_grad_view = self.wrap(host_grad)
+        self._host_grad_streamed = streamed
 
     @property
     def has_master(self) -> bool:
@@ -65,7 +68,8 @@ class ShardedParam:
 
     @property
     def grad_to_host(self) -> bool:
-        return self._host_grad is not None
+        """Whether the optimizer steps on the host for a module elsewhere: its gradients must cross to the host."""
+        return self.master.device.type == "cpu" and self.param.device.type != "cpu"
 
     def set_grad_storage(self, local_grad: torch.Tensor) -> None:
         self.grad_storage = local_grad
@@ -77,10 +81,11 @@ class ShardedParam:
         unscale it in place) or the master dtype differs, as a copy in the master dtype; offloaded to the host, into
         its host buffer, asynchronously (the reducer waits for the copies). Returns its local tensor."""
         assert self.grad_storage is not None
-        if self._host_grad is not None:
-            self._host_grad.copy_(self.grad_storage, non_blocking=True)
+        if self.host_grad is not None:
+            if not self._host_grad_streamed:
+                self.host_grad.copy_(self.grad_storage, non_blocking=True)
             self.shard.grad = self._host_grad_view
-            return self._host_grad
+            return self.host_grad
         if self._grad_view is not None and not copy:
             self.shard.grad = self._grad_view
             return self.grad_storage
