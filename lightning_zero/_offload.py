@@ -102,22 +102,30 @@ def pinned_views(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
 _FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)  # fused kernels that DTensor shards dispatch
 
 
-@contextmanager
-def host_kernels(optimizer: Optimizer) -> Generator[None, None, None]:
-    """Step the groups that left the implementation to torch with its fused CPU kernels where the optimizer has
-    them for shards (Adam, AdamW) and every parameter is on the host (fused kernels want one device), else the
-    multi-tensor ones: torch's default on the host is a loop over parameters. Same maths; the groups as configured
-    (and as saved) keep their settings."""
+def host_kernel(optimizer: Optimizer) -> str:
+    """The implementation flag a host step sets on groups that left the choice to torch (whose default on the host
+    is a loop over parameters): ``"fused"`` where the optimizer has fused CPU kernels for shards (Adam, AdamW) and
+    every parameter it holds now is on the host (fused kernels want one device), else ``"foreach"``."""
     on_host = all(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"])
-    key = "fused" if isinstance(optimizer, _FUSED_ON_SHARDS) and on_host else "foreach"
-    chosen = [g for g in optimizer.param_groups if g.get("foreach") is None and not g.get("fused") and key in g]
-    previous = [group[key] for group in chosen]
-    for group in chosen:
+    return "fused" if isinstance(optimizer, _FUSED_ON_SHARDS) and on_host else "foreach"
+
+
+def unchosen_groups(groups: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """The groups that left the implementation to torch and have a ``key`` (``"foreach"`` or ``"fused"``) flag."""
+    return [g for g in groups if key in g and g.get("foreach") is None and not g.get("fused")]
+
+
+@contextmanager
+def implementation(groups: list[dict[str, Any]], key: str) -> Generator[None, None, None]:
+    """Set ``key`` on ``groups`` for the duration of a step: the same maths with faster kernels, while the groups
+    as configured (and as saved) keep their settings."""
+    previous = [group[key] for group in groups]
+    for group in groups:
         group[key] = True
     try:
         yield
     finally:
-        for group, value in zip(chosen, previous, strict=True):
+        for group, value in zip(groups, previous, strict=True):
             group[key] = value
 
 

@@ -12,20 +12,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero._loss_scaler import LossScaler, StepVerdict
-from lightning_zero._offload import host_kernels
+from lightning_zero._offload import host_kernel, implementation, unchosen_groups
 from lightning_zero._reducers import GradHome
 from lightning_zero._sharded_param import ShardedParam
-
-
-@contextmanager
-def _multi_tensor(groups: list[dict[str, Any]]) -> Generator[None, None, None]:
-    for group in groups:
-        group["foreach"] = True
-    try:
-        yield
-    finally:
-        for group in groups:
-            group["foreach"] = None
 
 
 class ZeroOptimizer(Optimizer):
@@ -52,21 +41,21 @@ class ZeroOptimizer(Optimizer):
     ) -> None:
         # The base constructor is skipped on purpose: this object owns no parameters of its own.
         self.optimizer = optimizer
-        # Groups that left the implementation to torch, which picks a per-parameter loop on CPU: the step runs them
-        # with the multi-tensor kernels instead, one DTensor dispatch per operation rather than per parameter and
-        # operation. Same maths; the groups as configured (and as saved) keep ``foreach=None``.
-        self._foreach_groups = [
-            g for g in optimizer.param_groups if "foreach" in g and g["foreach"] is None and not g.get("fused")
-        ]
         self._grad_home = grad_home
         self._gather = gather
         self._scaler = scaler
-        self._host = host  # offloaded: the step runs on host masters, with torch's fused CPU kernels where it has them
+        self._host = host  # offloaded: the step runs on host masters
         self._module_groups = [list(group["params"]) for group in optimizer.param_groups]
         # the same groups with every sharded parameter replaced by its shard (frozen ones stay as they are)
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
         self.sharded = [shards[id(p)] for ps in self._module_groups for p in ps if id(p) in shards]
         self._shard_ids = {id(s.shard) for s in self.sharded}
+        # Groups that left the implementation to torch, which picks a per-parameter loop on CPU, step with the
+        # multi-tensor kernels (one DTensor dispatch per operation rather than per parameter and operation) or, on
+        # host masters, the fused ones where the optimizer has them for shards; decided once, for the shards.
+        with self.shards_installed():
+            self._kernel = host_kernel(optimizer) if host else "foreach"
+        self._kernel_groups = unchosen_groups(optimizer.param_groups, self._kernel)
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
@@ -103,8 +92,7 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
         if not skip:
-            kernels = host_kernels(self.optimizer) if self._host else _multi_tensor(self._foreach_groups)
-            with self.shards_installed(), kernels:
+            with self.shards_installed(), implementation(self._kernel_groups, self._kernel):
                 self.optimizer.step()
             if self._masters or self._scaler is not None:
                 for sharded in self.sharded:

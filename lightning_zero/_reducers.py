@@ -334,12 +334,16 @@ class ReduceScatterReducer(GradientReducer):
         """Offloaded: each bucket whose gradients are already in the masters' dtype gets a pinned mirror of its
         gradient shards, whose regions are its parameters' host gradients (no copy per parameter, and the mirror
         fills while backward runs); other buckets get a buffer per parameter."""
-        mirrored = [b for b in buckets if all(s.grad_to_host and s.master.dtype == b.dtype for s in b.params)]
-        mirrors = pinned_views([b.layout.chunk_numel for b in mirrored], mirrored[0].dtype) if mirrored else []
-        for bucket, mirror in zip(mirrored, mirrors, strict=True):
-            bucket.host_mirror = mirror
-            for index, sharded in enumerate(bucket.params):
-                sharded.use_host_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
+        by_dtype: dict[torch.dtype, list[Bucket]] = {}
+        for bucket in buckets:
+            if all(s.grad_to_host and s.master.dtype == bucket.dtype for s in bucket.params):
+                by_dtype.setdefault(bucket.dtype, []).append(bucket)
+        for dtype, mirrored in by_dtype.items():
+            mirrors = pinned_views([b.layout.chunk_numel for b in mirrored], dtype)
+            for bucket, mirror in zip(mirrored, mirrors, strict=True):
+                bucket.host_mirror = mirror
+                for index, sharded in enumerate(bucket.params):
+                    sharded.use_host_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
         super()._give_host_grads([b for b in buckets if b.host_mirror is None])
 
     def _publish(self, bucket: Bucket) -> None:

@@ -44,7 +44,15 @@ from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._engine import EngineState, ZeroEngine, engine_precision
 from lightning_zero._launcher import FullWeightsLauncher
 from lightning_zero._meta_init import MetaInit, materialize
-from lightning_zero._offload import DiskState, OffloadTarget, backend_with_host, check_host_collectives, host_kernels
+from lightning_zero._offload import (
+    DiskState,
+    OffloadTarget,
+    backend_with_host,
+    check_host_collectives,
+    host_kernel,
+    implementation,
+    unchosen_groups,
+)
 from lightning_zero._optimizer import ZeroOptimizer, check_configured, unwrap
 from lightning_zero._precision import zero_aware
 from lightning_zero._reducers import ReduceMode, reducer_for
@@ -316,8 +324,12 @@ class ZeroStrategy(DDPStrategy):
         """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
         and disk-offloaded state created or replaced by the step moves into its files. The first step of a ``fit``
         is followed by the memory report."""
-        host_step = self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None
-        with host_kernels(unwrap(optimizer)) if host_step else nullcontext():
+        kernels: AbstractContextManager[None] = nullcontext()
+        if self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None:
+            inner = unwrap(optimizer)
+            kernel = host_kernel(inner)
+            kernels = implementation(unchosen_groups(inner.param_groups, kernel), kernel)
+        with kernels:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._disk is not None:
             self._disk.adopt(unwrap(optimizer))
