@@ -25,7 +25,11 @@ The peer, "fsdp2 (hand-wrapped)", is what a user gets without this package: Ligh
 (data parallel over every rank, no tensor parallelism) with a ``configure_model`` that applies ``fully_shard`` to the
 same units zero3 picks by default (each residual block) and then to the root. Its memory is counted like zero3's. One
 difference besides the wrapping code: on gloo, zero3 swaps ``fully_shard``'s all-gather and reduce-scatter for this
-package's point-to-point exchanges (``lightning_zero._collectives``), while the peer keeps gloo's own collectives.
+package's (shared memory between the processes of one host, ``lightning_zero._shared_memory``), while the peer keeps
+gloo's own collectives over TCP loopback. zero1 and zero2 use the same shared-memory collectives; DDP keeps gloo's.
+``LIGHTNING_ZERO_SHM_DISABLE=1`` runs the package on gloo point-to-point exchanges instead.
+
+``--strategies ddp,zero3,fsdp2`` runs a subset ("fsdp2" is the peer); ddp is always among them.
 """
 
 from __future__ import annotations
@@ -84,7 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size, for DDP and ZeRO alike")
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (torchrun's count wins)")
     parser.add_argument("--profile", action="store_true", help="after the rounds, profile one run per strategy")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES) + ",fsdp2", help="comma-separated subset")
     args = parser.parse_args(argv)
+    chosen = [PEER if name == "fsdp2" else name for name in args.strategies.split(",")]
+    unknown = sorted(set(chosen) - set(NAMES))
+    if unknown or "ddp" not in chosen:
+        parser.error(f"--strategies={args.strategies}: pick ddp and any of {', '.join([*STRATEGIES, 'fsdp2'])}")
+    args.strategies = [name for name in NAMES if name in chosen]
     for name in ("steps", "warmup", "rounds", "hidden", "layers", "batch_size", "world_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
@@ -293,14 +303,15 @@ def worker(args: argparse.Namespace) -> None:
     args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
     results = []
     for round_index in range(args.rounds):
-        shift = round_index % len(NAMES)
-        results += [measure(name, round_index, args) for name in NAMES[shift:] + NAMES[:shift]]
+        names = args.strategies
+        shift = round_index % len(names)
+        results += [measure(name, round_index, args) for name in names[shift:] + names[:shift]]
     everyone: list[list[dict[str, Any]]] = [[] for _ in range(args.world_size)]
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
         print(report(everyone, args), flush=True)
     if args.profile:
-        for name in NAMES:
+        for name in args.strategies:
             profile = Profile(args.warmup, args.steps)
             fit(name, args, [profile])
             if dist.get_rank() == 0:
@@ -322,41 +333,45 @@ def report(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> st
         for result in rank_results:
             runs.setdefault((result["strategy"], result["round"]), []).append(result)
     psi, n = everyone[0][0]["num_params"], len(everyone)
-    return "\n".join([*summary_table(runs, args.rounds), "", *phase_table(runs), "", *setup_lines(psi, n, args)])
+    names = args.strategies
+    tables = [*summary_table(runs, names, args.rounds), "", *phase_table(runs, names)]
+    return "\n".join([*tables, "", *setup_lines(psi, n, args)])
 
 
-def summary_table(runs: Runs, rounds: int) -> list[str]:
+def summary_table(runs: Runs, names: list[str], rounds: int) -> list[str]:
     """Steps/s is the median over rounds of the slowest rank; its ratios to DDP and to the peer are medians of the
     same-round ratios (pairing cancels noise that drifts between rounds); memory is the largest rank's, in the last
     round."""
     speed = {key: min(r["steps_per_s"] for r in ranks) for key, ranks in runs.items()}
 
-    def ratio(name: str, base: str) -> float:
-        return statistics.median(speed[name, r] / speed[base, r] for r in range(rounds))
+    def ratio(name: str, base: str) -> str:
+        if base not in names:
+            return "-"
+        return f"{statistics.median(speed[name, r] / speed[base, r] for r in range(rounds)):.3f}"
 
     lines = [
         "| strategy | steps/s (median) | steps/s (min-max) | ratio to ddp | ratio to fsdp2 peer | params MiB/rank"
         " | grads MiB/rank | optimizer state MiB/rank | ZeRO comm pool MiB/rank |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in NAMES:
+    for name in names:
         speeds = [speed[name, r] for r in range(rounds)]
         mem = {k: max(r[k] for r in runs[name, rounds - 1]) / MIB for k in ("params", "grads", "optimizer", "pool")}
         lines.append(
             f"| {name} | {statistics.median(speeds):.2f} | {min(speeds):.2f}-{max(speeds):.2f}"
-            f" | {ratio(name, 'ddp'):.3f} | {ratio(name, PEER):.3f} | {mem['params']:.1f} | {mem['grads']:.1f}"
+            f" | {ratio(name, 'ddp')} | {ratio(name, PEER)} | {mem['params']:.1f} | {mem['grads']:.1f}"
             f" | {mem['optimizer']:.1f} | {mem['pool']:.1f} |"
         )
     return lines
 
 
-def phase_table(runs: Runs) -> list[str]:
+def phase_table(runs: Runs, names: list[str]) -> list[str]:
     """Milliseconds per step in each phase: the median over every rank and round of each run's median."""
     lines = [
         f"| ms/step | {' | '.join(PHASES.values())} | sum |",
         f"|---|{'---|' * (len(PHASES) + 1)}",
     ]
-    for name in NAMES:
+    for name in names:
         results = [r for (strategy, _), ranks in runs.items() if strategy == name for r in ranks]
         ms = [statistics.median(r["phase_ms"][phase] for r in results) for phase in PHASES]
         lines.append(f"| {name} | {' | '.join(f'{t:.1f}' for t in ms)} | {sum(ms):.1f} |")

@@ -1,8 +1,9 @@
 """The collective calls of the engine, each labelled for the profiler as ``lightning_zero::<name>``.
 
-On gloo (CPU), reduce-scatter and all-gather are built from point-to-point messages: gloo's own reduce-scatter
-all-reduces the whole buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and measured 1.5 to
-2.5 times slower than the exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
+On gloo (CPU) the ranks of one host use shared memory (:mod:`lightning_zero._shared_memory`). Elsewhere on gloo,
+reduce-scatter and all-gather are built from point-to-point messages: gloo's own reduce-scatter all-reduces the whole
+buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and measured 1.5 to 2.5 times slower than the
+exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from lightning_zero import _shared_memory as shared_memory
+
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
-def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Work:
+def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
+        shared = _shared(buffer, group)
+        if shared is not None:
+            return shared.all_reduce_sum(buffer)
         return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
@@ -40,11 +46,17 @@ class Exchange:
         return True
 
 
-Pending = Work | Exchange
+Pending = Work | Exchange | shared_memory.InFlight
 
 
 def _point_to_point(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+def _shared(tensor: torch.Tensor, group: ProcessGroup) -> shared_memory.Channel | None:
+    if tensor.device.type != "cpu" or group.size() == 1 or not _point_to_point(group):
+        return None
+    return shared_memory.channel(group)
 
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -57,6 +69,9 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
         if size == 1:  # one rank (offloading on a single device): nothing to exchange
             output.copy_(chunks[0])
             return Exchange([])
+        shared = _shared(buffer, group)
+        if shared is not None:
+            return shared.reduce_scatter_sum(output, buffer)
         others = [r for r in range(size) if r != me]
         # The first peer's chunk lands in ``output`` itself; only ranks beyond two need extra room.
         landing = [output, *torch.empty(len(others) - 1, output.numel(), dtype=output.dtype, device=output.device)]
@@ -89,6 +104,9 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             rows[me].copy_(chunk)
         if size == 1:
             return Exchange([])
+        shared = _shared(chunk, group)
+        if shared is not None:
+            return shared.all_gather(output, chunk)
         ops = []
         for peer in range(size):
             if peer != me:

@@ -4,8 +4,8 @@
 root unit, on a 1-D mesh over all ranks. It replaces each parameter by a ``Shard(0)`` DTensor of this rank's rows,
 which is what ``configure_optimizers`` sees and the optimizer updates; it all-gathers a unit's parameters around the
 unit's forward and backward and reduce-scatters (averaging) its gradients into the shards' ``.grad``. On gloo those
-two collectives are this package's point-to-point exchanges (see :mod:`lightning_zero._collectives`), measured 1.4
-times faster end to end than gloo's own on benchmarks/bench_strategies.py.
+two collectives are this package's (:mod:`lightning_zero._fsdp_comms`): shared memory between the ranks of one
+host, point-to-point exchanges otherwise.
 
 Two kinds of parameters live outside that scheme:
 
@@ -38,13 +38,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import _collectives as comm
+from lightning_zero import _fsdp_comms
 from lightning_zero._config import ZeroConfig
 from lightning_zero._offload import OffloadTarget
-
-try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # older torch: `fully_shard` keeps its own collectives
-    AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -79,14 +75,15 @@ class ShardedModule:
             "mp_policy": mp_policy or MixedPrecisionPolicy(),
             "offload_policy": offload_policy or OffloadPolicy(),  # a CPUOffloadPolicy keeps the shards on the host
         }
+        param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+        largest = max(
+            _fsdp_comms.gathered_bytes(params, mesh.size(), param_dtype)
+            for params in _unit_parameters([*units, module], set(self.replicated))
+        )
         for unit in units:  # deepest first
             fully_shard(unit, mesh=mesh, **policies)
         fully_shard(module, mesh=mesh, **policies)
-        if dist.get_backend(self.group) == "gloo" and AllGather is not None:  # gloo's move more data than needed
-            for fsdp_module in (*units, module):
-                assert isinstance(fsdp_module, FSDPModule)
-                fsdp_module.set_custom_all_gather(_PointToPointAllGather())
-                fsdp_module.set_custom_reduce_scatter(_PointToPointReduceScatter())
+        _fsdp_comms.install([*units, module], self.group, largest)
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
@@ -231,36 +228,13 @@ def check_even_batches(trainer: Trainer, loop: str, group: ProcessGroup) -> None
     )
 
 
-class _PointToPointAllGather(AllGather or object):  # type: ignore[misc]
-    """``fully_shard``'s all-gather done with this package's point-to-point exchange (see :mod:`._collectives`),
-    labelled ``lightning_zero::all_gather_params``; it completes before returning."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
-    ) -> None:
-        comm.all_gather(output_tensor, input_tensor, group).wait()
-
-
-class _PointToPointReduceScatter(ReduceScatter or object):  # type: ignore[misc]
-    """``fully_shard``'s reduce-scatter (a sum or an average) with the point-to-point exchange."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-            return
-        comm.reduce_scatter_sum(output_tensor, input_tensor, group).wait()
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(group.size())
+def _unit_parameters(units: list[nn.Module], ignored: set[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters each unit manages, in ``fully_shard``'s order (deepest first, the root last): those of its
+    subtree that no earlier unit took."""
+    taken = set(ignored)
+    managed = []
+    for unit in units:
+        own = [p for p in unit.parameters() if p not in taken]
+        taken.update(own)
+        managed.append(own)
+    return managed

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import _collectives as comm
+from lightning_zero import _shared_memory as shared_memory
 from lightning_zero._checkpoint import (
     load_directory,
     load_full_optimizer_state,
@@ -73,6 +74,7 @@ _SUPPORTED_DEVICES = ("cpu", "cuda")
 def _close_process_group() -> None:
     """Lightning leaves the process group open after `fit`; torn down only by interpreter exit, gloo's worker threads
     can be destroyed still joinable ("terminate called without an active exception"). Close it first."""
+    shared_memory.close_all()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights

@@ -1,0 +1,107 @@
+"""``fully_shard``'s all-gather and reduce-scatter on CPU process groups, done with this package's collectives.
+
+On one host they go through shared memory (:mod:`lightning_zero._shared_memory`), where the all-gather output is a
+buffer of the shared gather ring when one fits: ``fully_shard`` copies this rank's shard into its row, and the
+all-gather is a barrier. Across hosts they are point-to-point exchanges (:mod:`lightning_zero._collectives`). Both
+complete before returning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_zero import _collectives as comm
+from lightning_zero import _shared_memory as shared_memory
+
+try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # older torch: `fully_shard` keeps its own collectives
+    AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
+
+RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
+
+
+def install(fsdp_modules: list[nn.Module], group: ProcessGroup, largest_unit_bytes: int) -> None:
+    """Give every ``fully_shard``-ed module of a gloo group this package's collectives (where torch lets them be
+    replaced), with a gather ring sized for the largest unit when the ranks share a host."""
+    if dist.get_backend(group) != "gloo" or AllGather is None or group.size() == 1:
+        return
+    channel = shared_memory.channel(group)
+    if channel is not None:
+        ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
+        if not channel.open_gather_ring(ring_bytes):
+            rank_zero_warn(
+                f"lightning_zero: /dev/shm has no room for stage 3's gather ring ({shared_memory.RING_SIZE} x"
+                f" {ring_bytes / 2**20:.1f} MiB); units are gathered through smaller shared buffers, with two more"
+                " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`)."
+            )
+    for module in fsdp_modules:
+        assert isinstance(module, FSDPModule)
+        module.set_custom_all_gather(HostAllGather(channel))
+        module.set_custom_reduce_scatter(HostReduceScatter())
+
+
+def gathered_bytes(params: list[nn.Parameter], world_size: int, param_dtype: torch.dtype | None) -> int:
+    """What ``fully_shard`` all-gathers for one unit: each parameter's rows padded to a multiple of the world size, in
+    the dtype it is gathered in."""
+    total = 0
+    for param in params:
+        rows = param.shape[0] if param.dim() else 1
+        padded_rows = math.ceil(rows / world_size) * world_size
+        itemsize = (param_dtype or param.dtype).itemsize
+        total += padded_rows * (param.numel() // max(rows, 1)) * itemsize
+    return total
+
+
+def _page_multiple(size: int) -> int:
+    page = 4096
+    return max(page, -(-size // page) * page)
+
+
+class HostAllGather(AllGather or object):  # type: ignore[misc]
+    """All-gather into a gather-ring buffer (``allocate``) where the channel has one free and large enough."""
+
+    def __init__(self, channel: shared_memory.Channel | None) -> None:
+        self._channel = channel
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._channel is not None and device.type == "cpu":
+            shared = self._channel.gather_buffer(math.prod(size), dtype)
+            if shared is not None:
+                return shared.view(*size)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
+    ) -> None:
+        comm.all_gather(output_tensor, input_tensor, group).wait()
+
+
+class HostReduceScatter(ReduceScatter or object):  # type: ignore[misc]
+    """Reduce-scatter (a sum or an average) with this package's collectives."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return
+        comm.reduce_scatter_sum(output_tensor, input_tensor, group).wait()
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(group.size())

@@ -1,0 +1,63 @@
+"""The shared-memory collectives of CPU process groups (lightning_zero/_shared_memory.py): exact results against sums
+computed from every rank's data, the stage-3 gather ring's hand-out rule, failures reported instead of hangs, and the
+strategies' parity with DDP when shared memory is switched off (the point-to-point path of ranks on several hosts).
+
+Exactness: the channel adds ranks' values in rank order, so results are compared with ``torch.equal`` against the same
+sums done locally; gloo's own all-reduce (another order) only to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch import launch, run_scenarios
+from tests.test_parity import compare_runs
+
+
+def run_checks(check: str, world_size: int, tmp_path: Path) -> list[list[str] | None]:
+    """Each rank's passed checks; None for a rank that wrote none (one that exits on purpose)."""
+    launch("tests.workers.shared_memory", [str(tmp_path), check], world_size, timeout=120)
+    files = [tmp_path / f"rank{r}.json" for r in range(world_size)]
+    return [json.loads(f.read_text()) if f.exists() else None for f in files]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_are_exact_and_the_ring_is_handed_out_safely(world_size: int, tmp_path: Path) -> None:
+    passed = run_checks("collectives", world_size, tmp_path)
+    expected = [
+        "opened, nothing left in /dev/shm",
+        "all_gather, reduce_scatter, all_reduce: every dtype and size, several pieces",
+        "collectives in flight together",
+        "ring buffers handed out while free, slots when all held",
+        "a buffer released on one rank only is not handed out",
+    ]
+    assert passed == [expected] * world_size
+
+
+def test_a_peer_that_exits_is_reported_not_waited_for(tmp_path: Path) -> None:
+    passed = run_checks("peer_exit", 2, tmp_path)
+    assert passed[0] == ["a peer that exits is reported"]
+
+
+def test_a_rank_that_never_arrives_is_reported_after_the_timeout(tmp_path: Path) -> None:
+    passed = run_checks("timeout", 2, tmp_path)
+    assert passed[0] == ["a rank that never arrives is reported after the timeout"]
+
+
+def test_strategies_match_ddp_through_point_to_point_exchanges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With shared memory off, gloo groups use this package's point-to-point exchanges, as across hosts."""
+    monkeypatch.setenv("LIGHTNING_ZERO_SHM_DISABLE", "1")
+    scenarios: list[dict[str, Any]] = [
+        {"name": "adam", "module": "classifier", "strategies": ["ddp", "zero1", "zero2"]},
+        {"name": "tied", "module": "tied_lm", "strategies": ["ddp", "zero3"]},
+    ]
+    results = run_scenarios([dict(s) for s in scenarios], 2, tmp_path)
+    for spec in scenarios:
+        for strategy in spec["strategies"][1:]:
+            compare_runs(results, spec, strategy)
