@@ -53,9 +53,14 @@ _CHANNELS: dict[ProcessGroup, Channel | None] = {}
 def channel(group: ProcessGroup) -> Channel | None:
     """The shared-memory channel of ``group``, opened (a collective) at its first use; None where gloo stays."""
     if group not in _CHANNELS:
-        wanted = os.environ.get(_DISABLE, "0") != "1" and group.size() > 1
-        _CHANNELS[group] = Channel.open(group) if wanted else None
+        _CHANNELS[group] = Channel.open(group) if group.size() > 1 else None
     return _CHANNELS[group]
+
+
+def _wanted_here() -> bool:
+    """This rank can and may share memory (each rank answers for itself; the group uses it only if all can)."""
+    supported = _DIRECTORY.is_dir() and hasattr(os, "posix_fallocate") and hasattr(os, "mkfifo")  # Linux
+    return supported and os.environ.get(_DISABLE, "0") != "1"
 
 
 def close_all() -> None:
@@ -118,11 +123,12 @@ class Channel:
         created: list[Path] = []
         maps: list[mmap.mmap] = []
         fds: list[int] = []
+        ok = _wanted_here()
         try:
-            own = _create_segment(Path(f"{base}-{me}.seg"), 2 * SLOT_BYTES, created)
-            fifos = [Path(f"{base}-{peer}-{me}.fifo") for peer in range(size) if peer != me]  # from each peer
-            inboxes = [_create_fifo(path, created, fds) for path in fifos]
-            ok = True
+            if ok:
+                own = _create_segment(Path(f"{base}-{me}.seg"), 2 * SLOT_BYTES, created)
+                fifos = [Path(f"{base}-{peer}-{me}.fifo") for peer in range(size) if peer != me]  # from each peer
+                inboxes = [_create_fifo(path, created, fds) for path in fifos]
         except OSError:
             ok = False
         pids: list[int] = [0] * size
@@ -151,6 +157,7 @@ class Channel:
         """Collective: rank 0 creates the stage-3 gather ring of ``RING_SIZE`` buffers of ``buffer_bytes``, every rank
         maps it. False (and no ring) where ``/dev/shm`` has no room for it."""
         self._finish_in_flight()
+        self._ring = None  # an earlier ring's buffers stay alive while ``fully_shard`` holds them, never handed out
         name = _DIRECTORY / f"lightning_zero-{_shared_token(self.group)}.ring"
         created: list[Path] = []
         mapped: mmap.mmap | None = None

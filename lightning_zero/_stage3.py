@@ -52,6 +52,8 @@ _SHARD_OUTSIDE_FORWARD = (
     " the unit's `forward`, or keep its module in the root unit (gathered for the whole step) with an"
     " `auto_wrap_policy` that does not pick it or a module around it."
 )
+# Each sharded LightningModule's ShardedModule, which refers to the module only weakly, so that the entry (and all it
+# holds: shards, hooks) goes when the user drops the module.
 _BY_MODULE: weakref.WeakKeyDictionary[nn.Module, ShardedModule] = weakref.WeakKeyDictionary()
 
 
@@ -67,7 +69,7 @@ class ShardedModule:
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
-        self.module = module
+        self._module = weakref.ref(module)
         self.group: ProcessGroup = mesh.get_group()
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         policies = {
@@ -88,9 +90,16 @@ class ShardedModule:
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
         # What the optimizer holds: the parameters registered while every unit is sharded, i.e. now.
-        self._shards = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        # (module's qualified name, parameter name, shard): names, so that nothing here holds the module
+        self._shards = [(q, n, p) for q, m in module.named_modules() for n, p in m._parameters.items() if p is not None]
         module.register_forward_pre_hook(self._follow_requires_grad)
         _BY_MODULE[module] = self
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        assert module is not None, "the sharded module was garbage-collected"
+        return module
 
     @staticmethod
     def of(module: nn.Module) -> ShardedModule | None:
@@ -115,11 +124,11 @@ class ShardedModule:
             check_plain_loss(output.get("loss") if isinstance(output, dict) else output)
         return output
 
-    def _follow_requires_grad(self, *_: Any) -> None:
+    def _follow_requires_grad(self, root: nn.Module, *_: Any) -> None:
         """The root unit stays gathered through a step, so its gathered parameters miss a ``requires_grad`` change
         made on the shards meanwhile (``toggle_optimizer`` in manual optimization); copy it over."""
-        for module, name, sharded in self._shards:
-            current = module._parameters[name]
+        for qualified, name, sharded in self._shards:
+            current = root.get_submodule(qualified)._parameters[name]
             if current is not sharded and current is not None and current.requires_grad != sharded.requires_grad:
                 current.requires_grad_(sharded.requires_grad)
 

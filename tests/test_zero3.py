@@ -7,6 +7,7 @@ all ranks, which also checks how they were split. Memory is measured by walking 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from lightning_zero._wrap import (
     choose_units,
     resolve_policy,
 )
-from tests.launch import run_scenarios
+from tests.launch import launch, run_scenarios
 from tests.test_parity import ATOL, RTOL, close, compare_optimizer_states
 from tests.workers.modules_zero3 import Block, TiedLM
 
@@ -244,6 +245,14 @@ def test_unit_parameter_read_outside_forward_is_refused(tmp_path: Path) -> None:
     outside = scenario("penalty_on_unit", "tied_lm", ["zero3"], module_kwargs={"penalty_on_unit": True})
     with pytest.raises(RuntimeError, match=r"(?s)The loss is a DTensor.*gathered only inside that unit's.*HINT"):
         run_scenarios([outside], 2, tmp_path)
+
+
+def test_a_trained_module_is_freed_once_dropped(tmp_path: Path) -> None:
+    """Three fits in one process, each with a fresh module: after each, nothing of this package keeps the module (and
+    its shards and optimizer state) alive; the user dropping it frees it."""
+    launch("tests.workers.lifetime", [str(tmp_path)], 2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [False, False, False]
 
 
 # --- options, policies, one device: in this process ----------------------------------------------------------------
