@@ -106,7 +106,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             return Exchange([])
         shared = _shared(chunk, group)
         if shared is not None:
-            return shared.all_gather(output, chunk)
+            return shared.all_gather(output)
         ops = []
         for peer in range(size):
             if peer != me:

@@ -16,7 +16,6 @@ Vocabulary:
 from __future__ import annotations
 
 import mmap
-import os
 import shutil
 import tempfile
 from collections.abc import Generator
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_zero._files import reserved_mapping
 
 
 class OffloadError(RuntimeError):
@@ -195,19 +196,14 @@ class DiskState:
     def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         nbytes = local.numel() * local.element_size()
         path = self.root / f"{len(self._maps)}.bin"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
-            mapping = mmap.mmap(fd, nbytes)
+            mapping = reserved_mapping(path, nbytes)
         except OSError as error:
-            path.unlink(missing_ok=True)
             raise OffloadError(
                 f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}` ({path.name}):"
                 f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
                 " `offload_dir` at a larger one."
             ) from error
-        finally:
-            os.close(fd)
         mapped = torch.frombuffer(mapping, dtype=local.dtype, count=local.numel()).view(local.shape)
         mapped.copy_(local)
         self._maps.append(mapping)

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_zero._files import reserved_mapping
+
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
 _DIRECTORY = Path("/dev/shm")
@@ -108,6 +110,7 @@ class Channel:
         self._outboxes = outboxes  # write ends of the FIFOs to each peer
         self._peer_pids = peer_pids  # empty where PIDs cannot be watched (another PID namespace)
         self._timeout = timeout.total_seconds()
+        self._slot_views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # the slots in each dtype used
         self._pieces = 0
         self._in_flight: InFlight | None = None
         self._ring: GatherRing | None = None
@@ -142,11 +145,10 @@ class Channel:
                 fds += outboxes
             except OSError:
                 ok = False
-        everyone: list[bool] = [False] * size
-        dist.all_gather_object(everyone, ok, group=group)
+        agreed = _all_agree(ok, group)
         for path in created:
             path.unlink(missing_ok=True)
-        if not all(everyone):
+        if not agreed:
             for fd in fds:
                 os.close(fd)
             return None
@@ -174,11 +176,10 @@ class Channel:
                 mapped = _map(name, RING_SIZE * buffer_bytes)
             except OSError:
                 ok = False
-        everyone: list[bool] = [False] * self.size
-        dist.all_gather_object(everyone, ok and shared[0], group=self.group)
+        agreed = _all_agree(ok and shared[0], self.group)
         for path in created:
             path.unlink(missing_ok=True)
-        if not all(everyone) or mapped is None:
+        if not agreed or mapped is None:
             return False
         self._ring = GatherRing(mapped, buffer_bytes)
         self._ring_free = self._ring.released()
@@ -194,12 +195,12 @@ class Channel:
         self._ring_free &= ~(1 << index)
         return self._ring.buffer(index, numel, dtype)
 
-    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor) -> InFlight:
-        """``output`` (``size`` chunks) receives every rank's ``chunk`` in rank order."""
+    def all_gather(self, output: torch.Tensor) -> InFlight:
+        """``output`` (``size`` chunks, this rank's already in place) receives every other rank's in rank order."""
         rows = output.view(self.size, -1)
         if self._ring is not None and self._ring.holds(output):
-            return self._start(self._gather_in_ring(rows, chunk.view(-1)))
-        return self._start(self._all_gather(rows, chunk.view(-1)))
+            return self._start(self._barrier())  # every rank wrote its row of the one shared buffer
+        return self._start(self._all_gather(rows))
 
     def reduce_scatter_sum(self, output: torch.Tensor, buffer: torch.Tensor) -> InFlight:
         """``output`` (one chunk) receives the sum, in rank order, of every rank's chunk ``rank`` of ``buffer``."""
@@ -210,7 +211,7 @@ class Channel:
         return self._start(self._all_reduce(buffer.view(-1)))
 
     def close(self) -> None:
-        self._slots, self._ring = [], None
+        self._slots, self._slot_views, self._ring = [], {}, None
         for fd in (*self._inboxes, *self._outboxes):
             os.close(fd)
         self._inboxes, self._outboxes = [], []
@@ -225,14 +226,8 @@ class Channel:
             self._in_flight.wait()
             self._in_flight = None
 
-    def _gather_in_ring(self, rows: torch.Tensor, chunk: torch.Tensor) -> Generator[None, None, None]:
-        if chunk.data_ptr() != rows[self.rank].data_ptr():
-            rows[self.rank].copy_(chunk)
-        yield from self._barrier()
-
-    def _all_gather(self, rows: torch.Tensor, chunk: torch.Tensor) -> Generator[None, None, None]:
-        if chunk.data_ptr() != rows[self.rank].data_ptr():
-            rows[self.rank].copy_(chunk)
+    def _all_gather(self, rows: torch.Tensor) -> Generator[None, None, None]:
+        chunk = rows[self.rank]
         for start, stop in _spans(chunk.numel(), SLOT_BYTES // chunk.element_size()):
             slot = self._next_slot(chunk.dtype)
             slot[self.rank][: stop - start].copy_(chunk[start:stop])
@@ -267,7 +262,10 @@ class Channel:
         """The next piece's slot of every rank's segment, as ``dtype`` elements."""
         index = self._pieces % 2
         self._pieces += 1
-        return [slots[index].view(dtype) for slots in self._slots]
+        key = (index, dtype)
+        if key not in self._slot_views:
+            self._slot_views[key] = [slots[index].view(dtype) for slots in self._slots]
+        return self._slot_views[key]
 
     def _peers(self) -> list[int]:
         return [rank for rank in range(self.size) if rank != self.rank]
@@ -340,6 +338,13 @@ def _uses(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+def _all_agree(ok: bool, group: ProcessGroup) -> bool:
+    """Collective: whether every rank of ``group`` says ``ok``."""
+    everyone: list[bool] = [False] * group.size()
+    dist.all_gather_object(everyone, ok, group=group)
+    return all(everyone)
+
+
 def _shared_token(group: ProcessGroup) -> str:
     """A name part that rank 0 draws and every rank of ``group`` receives."""
     token = [secrets.token_hex(8) if group.rank() == 0 else None]
@@ -348,15 +353,10 @@ def _shared_token(group: ProcessGroup) -> str:
 
 
 def _create_segment(path: Path, size: int, created: list[Path]) -> mmap.mmap:
-    """A new shared file of ``size`` bytes, its space reserved now (a full ``/dev/shm`` fails here, not with SIGBUS
-    later), mapped."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """A new shared file of ``size`` bytes, mapped, recorded in ``created`` for unlinking once every rank holds it."""
+    mapped = reserved_mapping(path, size)
     created.append(path)
-    try:
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+    return mapped
 
 
 def _create_fifo(path: Path, created: list[Path], fds: list[int]) -> int:

@@ -90,8 +90,10 @@ class ShardedModule:
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
         # What the optimizer holds: the parameters registered while every unit is sharded, i.e. now.
-        # (module's qualified name, parameter name, shard): names, so that nothing here holds the module
-        self._shards = [(q, n, p) for q, m in module.named_modules() for n, p in m._parameters.items() if p is not None]
+        # (owning module's parameter dict, name, shard): the dicts, not the modules, so nothing here holds the module
+        self._shards = [
+            (m._parameters, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None
+        ]
         module.register_forward_pre_hook(self._follow_requires_grad)
         _BY_MODULE[module] = self
 
@@ -124,11 +126,11 @@ class ShardedModule:
             check_plain_loss(output.get("loss") if isinstance(output, dict) else output)
         return output
 
-    def _follow_requires_grad(self, root: nn.Module, *_: Any) -> None:
+    def _follow_requires_grad(self, *_: Any) -> None:
         """The root unit stays gathered through a step, so its gathered parameters miss a ``requires_grad`` change
         made on the shards meanwhile (``toggle_optimizer`` in manual optimization); copy it over."""
-        for qualified, name, sharded in self._shards:
-            current = root.get_submodule(qualified)._parameters[name]
+        for parameters, name, sharded in self._shards:
+            current = parameters[name]
             if current is not sharded and current is not None and current.requires_grad != sharded.requires_grad:
                 current.requires_grad_(sharded.requires_grad)
 

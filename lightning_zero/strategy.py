@@ -189,6 +189,7 @@ class ZeroStrategy(DDPStrategy):
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
         self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
         self._report_due = False  # whether the next optimizer step is the first of a `fit` that logs the report
+        self._host_kernels: dict[int, str] = {}  # stage 3 offloaded: each optimizer's host kernel, by ``id``
 
     @property
     def stage(self) -> Stage:
@@ -291,6 +292,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
+        self._host_kernels = {}
         for optimizer in self.optimizers:
             check_configured(optimizer)
         self._remove_engine()
@@ -329,7 +331,11 @@ class ZeroStrategy(DDPStrategy):
         kernels: AbstractContextManager[None] = nullcontext()
         if self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None:
             inner = unwrap(optimizer)
-            kernel = host_kernel(inner)
+            # decided at the first step, once the shards are where they stay (the groups are looked up each step:
+            # loading a checkpoint replaces them)
+            if id(inner) not in self._host_kernels:
+                self._host_kernels[id(inner)] = host_kernel(inner)
+            kernel = self._host_kernels[id(inner)]
             kernels = implementation(unchosen_groups(inner.param_groups, kernel), kernel)
         with kernels:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
