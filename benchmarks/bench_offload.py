@@ -46,8 +46,8 @@ def _zero_host_optimizer(module: nn.Module) -> Any:
     """The engine of one offloaded rank (stage 2) with its wrapped Adam, gradients set on the host shards."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero._engine import EnginePrecision, ZeroEngine
-    from lightning_zero._reducers import ReduceScatterReducer
+    from lightning_zero._engine.engine import EnginePrecision, ZeroEngine
+    from lightning_zero._engine.reducers import ReduceScatterReducer
 
     mesh = init_device_mesh("cpu", (1,))
     engine = ZeroEngine(module, ReduceScatterReducer, mesh, 25 * 2**20, EnginePrecision(host=True))
@@ -119,7 +119,7 @@ def trial(config: str, width: int, layers: int) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     import lightning_zero
-    from lightning_zero.strategy import ZeroStrategy
+    from lightning_zero.pytorch.strategy import ZeroStrategy
 
     options = dict(CONFIGS[config][1])
     strategy: Any = options.pop("strategy")

@@ -25,9 +25,9 @@ The peer, "fsdp2 (hand-wrapped)", is what a user gets without this package: Ligh
 (data parallel over every rank, no tensor parallelism) with a ``configure_model`` that applies ``fully_shard`` to the
 same units zero3 picks by default (each residual block) and then to the root. Its memory is counted like zero3's. One
 difference besides the wrapping code: on gloo, zero3 swaps ``fully_shard``'s all-gather and reduce-scatter for this
-package's (shared memory between the processes of one host, ``lightning_zero._shared_memory``), while the peer keeps
-gloo's own collectives over TCP loopback. zero1 and zero2 use the same shared-memory collectives; DDP keeps gloo's.
-``LIGHTNING_ZERO_SHM_DISABLE=1`` runs the package on gloo point-to-point exchanges instead.
+package's (shared memory between the processes of one host, ``lightning_zero._transport.shared_memory``), while the
+peer keeps gloo's own collectives over TCP loopback. zero1 and zero2 use the same shared-memory collectives; DDP keeps
+gloo's. ``LIGHTNING_ZERO_SHM_DISABLE=1`` runs the package on gloo point-to-point exchanges instead.
 
 ``--strategies ddp,zero3,fsdp2`` runs a subset ("fsdp2" is the peer); ddp is always among them.
 """

@@ -8,10 +8,10 @@ LightningCLI config.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero._distributed_checkpoint import CheckpointError
-from lightning_zero._offload import OffloadError
+from lightning_zero._checkpoint.directory import CheckpointError
+from lightning_zero._offload.target import OffloadError
 from lightning_zero.consolidate import consolidate_checkpoint
-from lightning_zero.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
+from lightning_zero.pytorch.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
 
 __all__ = [
     "CheckpointError",

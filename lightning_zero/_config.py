@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_zero._offload import OffloadTarget, check_directory
+from lightning_zero._offload.target import OffloadTarget, check_directory
 from lightning_zero._wrap import ModulePolicy, RepeatedEntries, resolve_policy
 
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zero import _distributed_checkpoint as ckpt
-from lightning_zero._checkpoint import SHARDED_KEYS
+from lightning_zero._checkpoint import directory as ckpt
+from lightning_zero._checkpoint.live import SHARDED_KEYS
 
 
 def consolidate_checkpoint(

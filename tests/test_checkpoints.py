@@ -17,7 +17,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
-from lightning_zero._distributed_checkpoint import is_checkpoint_dir, read_meta
+from lightning_zero._checkpoint.directory import is_checkpoint_dir, read_meta
 from tests.launch import launch
 from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS, MODULE_KWARGS
 from tests.workers.modules import Classifier

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_zero.__main__ import main
-from lightning_zero._report import format_report, memory_report, optimizer_kind
+from lightning_zero._core.report import format_report, memory_report, optimizer_kind
 from lightning_zero.estimate import count_parameters, estimate, format_bytes, format_table
 from lightning_zero.memory import ModelStateBytes
 from tests.launch import run_scenarios

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy
-from lightning_zero._offload import OffloadTarget
+from lightning_zero._offload.target import OffloadTarget
 from tests.launch import REPO, launch, run_scenarios
 from tests.test_parity import close, compare_runs
 from tests.test_precision import TOLERANCE
@@ -215,7 +215,8 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
         import resource, signal
         from pathlib import Path
         import torch
-        from lightning_zero._offload import DiskState, OffloadError
+        from lightning_zero._offload.disk import DiskState
+from lightning_zero._offload.target import OffloadError
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

@@ -142,7 +142,7 @@ def test_scenarios_change_the_weights(results: list[dict[Any, Any]]) -> None:
 def shard_numels(name: str, world_size: int, rank: int) -> tuple[int, int, int, int]:
     """(parameters, this rank's shard elements, padded shard elements, elements in one row of each parameter)
     of the scenario's module."""
-    from lightning_zero._layout import ShardSpec
+    from lightning_zero._engine.layout import ShardSpec
     from tests.workers.modules import Classifier
 
     spec = next(s for s in SCENARIOS if s["name"] == name)

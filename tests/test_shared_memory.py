@@ -1,4 +1,4 @@
-"""The shared-memory collectives of CPU process groups (lightning_zero/_shared_memory.py): exact results against sums
+"""The shared-memory collectives of CPU process groups (lightning_zero/_transport/): exact results against sums
 computed from every rank's data, the stage-3 gather ring's hand-out rule, failures reported instead of hangs, and the
 strategies' parity with DDP when shared memory is switched off (the point-to-point path of ranks on several hosts).
 

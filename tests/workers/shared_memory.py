@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_zero import _collectives as comm
-from lightning_zero import _shared_memory as shared_memory
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import shared_memory as shared_memory
 
 SIZES = [1, 7, 1000, shared_memory.SLOT_BYTES // 4 + 13, 3 * shared_memory.SLOT_BYTES // 8 + 5]  # up to 3 pieces
 

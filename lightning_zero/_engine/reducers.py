@@ -20,13 +20,13 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero import _collectives as comm
 from lightning_zero._config import Stage
-from lightning_zero._layout import NaturalLayout, RankMajorLayout
-from lightning_zero._loss_scaler import LossScaler
-from lightning_zero._offload import host_copies, pinned_views
-from lightning_zero._pool import BufferPool
-from lightning_zero._sharded_param import ShardedParam
+from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout
+from lightning_zero._engine.loss_scaler import LossScaler
+from lightning_zero._engine.pool import BufferPool
+from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._offload.host import host_copies, pinned_views
+from lightning_zero._transport import collectives as comm
 
 
 class ReduceMode(Enum):

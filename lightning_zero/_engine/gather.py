@@ -7,10 +7,10 @@ from collections import deque
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_zero import _collectives as comm
-from lightning_zero._layout import RankMajorLayout
-from lightning_zero._pool import BufferPool
-from lightning_zero._sharded_param import ShardedParam
+from lightning_zero._engine.layout import RankMajorLayout
+from lightning_zero._engine.pool import BufferPool
+from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._transport import collectives as comm
 
 _IN_FLIGHT = 2  # buckets gathered concurrently: enough to overlap unpacking one with the next one's transfer
 

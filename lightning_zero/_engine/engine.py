@@ -13,14 +13,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_zero._config import ZeroConfig
-from lightning_zero._gather import ParamGatherer
-from lightning_zero._layout import ShardSpec
-from lightning_zero._loss_scaler import LossScaler
-from lightning_zero._offload import OffloadTarget, host_copies
-from lightning_zero._optimizer import ZeroOptimizer
-from lightning_zero._pool import BufferPool
-from lightning_zero._reducers import GradientReducer
-from lightning_zero._sharded_param import ShardedParam
+from lightning_zero._engine.gather import ParamGatherer
+from lightning_zero._engine.layout import ShardSpec
+from lightning_zero._engine.loss_scaler import LossScaler
+from lightning_zero._engine.optimizer import ZeroOptimizer
+from lightning_zero._engine.pool import BufferPool
+from lightning_zero._engine.reducers import GradientReducer
+from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._offload.host import host_copies
+from lightning_zero._offload.target import OffloadTarget
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The collective calls of the engine, each labelled for the profiler as ``lightning_zero::<name>``.
 
-On gloo (CPU) the ranks of one host use shared memory (:mod:`lightning_zero._shared_memory`). Elsewhere on gloo,
+On gloo (CPU) the ranks of one host use shared memory (:mod:`.shared_memory`). Elsewhere on gloo,
 reduce-scatter and all-gather are built from point-to-point messages: gloo's own reduce-scatter all-reduces the whole
 buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and measured 1.5 to 2.5 times slower than the
 exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from lightning_zero import _shared_memory as shared_memory
+from lightning_zero._transport import shared_memory
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

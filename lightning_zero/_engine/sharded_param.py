@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from lightning_zero._layout import ShardSpec
+from lightning_zero._engine.layout import ShardSpec
 
 
 class ShardedParam:

@@ -4,7 +4,7 @@
 root unit, on a 1-D mesh over all ranks. It replaces each parameter by a ``Shard(0)`` DTensor of this rank's rows,
 which is what ``configure_optimizers`` sees and the optimizer updates; it all-gathers a unit's parameters around the
 unit's forward and backward and reduce-scatters (averaging) its gradients into the shards' ``.grad``. On gloo those
-two collectives are this package's (:mod:`lightning_zero._fsdp_comms`): shared memory between the ranks of one
+two collectives are this package's (:mod:`lightning_zero._transport.fsdp_comms`): shared memory between the ranks of one
 host, point-to-point exchanges otherwise.
 
 Two kinds of parameters live outside that scheme:
@@ -37,10 +37,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_zero import _collectives as comm
-from lightning_zero import _fsdp_comms
 from lightning_zero._config import ZeroConfig
-from lightning_zero._offload import OffloadTarget
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import fsdp_comms
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -79,13 +79,13 @@ class ShardedModule:
         }
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         largest = max(
-            _fsdp_comms.gathered_bytes(params, mesh.size(), param_dtype)
+            fsdp_comms.gathered_bytes(params, mesh.size(), param_dtype)
             for params in _unit_parameters([*units, module], set(self.replicated))
         )
         for unit in units:  # deepest first
             fully_shard(unit, mesh=mesh, **policies)
         fully_shard(module, mesh=mesh, **policies)
-        _fsdp_comms.install([*units, module], self.group, largest)
+        fsdp_comms.install([*units, module], self.group, largest)
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last

@@ -11,10 +11,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._loss_scaler import LossScaler, StepVerdict
-from lightning_zero._offload import host_kernel, implementation, unchosen_groups
-from lightning_zero._reducers import GradHome
-from lightning_zero._sharded_param import ShardedParam
+from lightning_zero._engine.loss_scaler import LossScaler, StepVerdict
+from lightning_zero._engine.reducers import GradHome
+from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._offload.kernels import host_kernel, implementation, unchosen_groups
 
 
 class ZeroOptimizer(Optimizer):

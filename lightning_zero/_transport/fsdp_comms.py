@@ -1,8 +1,8 @@
 """``fully_shard``'s all-gather and reduce-scatter on CPU process groups, done with this package's collectives.
 
-On one host they go through shared memory (:mod:`lightning_zero._shared_memory`), where the all-gather output is a
+On one host they go through shared memory (:mod:`.shared_memory`), where the all-gather output is a
 buffer of the shared gather ring when one fits: ``fully_shard`` copies this rank's shard into its row, and the
-all-gather is a barrier. Across hosts they are point-to-point exchanges (:mod:`lightning_zero._collectives`). Both
+all-gather is a barrier. Across hosts they are point-to-point exchanges (:mod:`.collectives`). Both
 complete before returning.
 """
 
@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_zero import _collectives as comm
-from lightning_zero import _shared_memory as shared_memory
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import shared_memory
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

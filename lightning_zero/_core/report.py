@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._engine.optimizer import ZeroOptimizer
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
 from lightning_zero.memory import ModelStateBytes, measure
 

@@ -15,8 +15,8 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero._loss_scaler import LossScaler
-from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._engine.loss_scaler import LossScaler
+from lightning_zero._engine.optimizer import ZeroOptimizer
 
 _SCALER_KEY = "lightning_zero_loss_scaler"
 
@@ -84,7 +84,7 @@ def zero_aware(plugin: Precision) -> Precision:
             f"The precision plugin `{type(plugin).__name__}` is not one the ZeRO strategies can adapt; they clip and"
             f" scale sharded gradients in Lightning's {known}. HINT: pass `Trainer(precision=...)` with one of"
             " '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true', '64-true'; for a plugin of your own,"
-            " derive it from the matching class of `lightning_zero._precision`, e.g. `ZeroMixedPrecision`."
+            " derive it from the matching class of `lightning_zero._core.precision`, e.g. `ZeroMixedPrecision`."
         )
     plugin.__class__ = zero_class
     return plugin

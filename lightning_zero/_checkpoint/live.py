@@ -2,7 +2,7 @@
 
 Saving never gathers: the model state holds each sharded parameter as the DTensor over this rank's rows, and the
 optimizer state keeps its DTensor shards; both are named by parameter, so a checkpoint taken at one world size and
-stage loads at another (see :mod:`lightning_zero._distributed_checkpoint`). Ordinary single-file Lightning
+stage loads at another (see :mod:`lightning_zero._checkpoint.directory`). Ordinary single-file Lightning
 checkpoints (from ``"ddp"``, or consolidated) load too: each rank keeps its shard of every whole tensor.
 """
 
@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from lightning_zero import _distributed_checkpoint as ckpt
-from lightning_zero._engine import ZeroEngine
-from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._checkpoint import directory as ckpt
+from lightning_zero._engine.engine import ZeroEngine
+from lightning_zero._engine.optimizer import ZeroOptimizer
 
 # In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
 SHARDED_KEYS = "lightning_zero_sharded_keys"

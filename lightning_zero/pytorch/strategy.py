@@ -1,5 +1,5 @@
 """The Lightning strategies: they coordinate setup and hooks, and delegate the ZeRO work to the engine (stages 1
-and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3`)."""
+and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3.sharded_module`)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import _collectives as comm
-from lightning_zero import _shared_memory as shared_memory
-from lightning_zero._checkpoint import (
+from lightning_zero._checkpoint.live import (
     load_directory,
     load_full_optimizer_state,
     load_full_optimizer_state_into_dtensors,
@@ -42,30 +40,27 @@ from lightning_zero._checkpoint import (
     sharded_model_state,
 )
 from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._engine import EngineState, ZeroEngine, engine_precision
-from lightning_zero._launcher import FullWeightsLauncher
-from lightning_zero._meta_init import MetaInit, materialize
-from lightning_zero._offload import (
-    DiskState,
-    OffloadTarget,
-    backend_with_host,
-    check_host_collectives,
-    host_kernel,
-    implementation,
-    unchosen_groups,
-)
-from lightning_zero._optimizer import ZeroOptimizer, check_configured, unwrap
-from lightning_zero._precision import zero_aware
-from lightning_zero._reducers import ReduceMode, reducer_for
-from lightning_zero._report import log_info, memory_report
-from lightning_zero._stage3 import (
+from lightning_zero._core.precision import zero_aware
+from lightning_zero._core.report import log_info, memory_report
+from lightning_zero._engine.engine import EngineState, ZeroEngine, engine_precision
+from lightning_zero._engine.optimizer import ZeroOptimizer, check_configured, unwrap
+from lightning_zero._engine.reducers import ReduceMode, reducer_for
+from lightning_zero._offload.disk import DiskState
+from lightning_zero._offload.kernels import host_kernel, implementation, unchosen_groups
+from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._stage3.meta_init import MetaInit, materialize
+from lightning_zero._stage3.sharded_module import (
     ShardedModule,
     check_even_batches,
     check_plain_loss,
     offload_policy,
     precision_policy,
 )
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import shared_memory
 from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
+from lightning_zero.pytorch.launcher import FullWeightsLauncher
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 
@@ -574,7 +569,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta
-        device, and get their values after sharding (see :mod:`lightning_zero._meta_init`), unless
+        device, and get their values after sharding (see :mod:`lightning_zero._stage3.meta_init`), unless
         ``empty_init=False`` asks for eager initialization."""
         with super().tensor_init_context(empty_init), self._parameters_on_meta(empty_init is not False):
             yield

@@ -1,0 +1,14 @@
+"""Offload: the optimizer's side of training kept in host memory, or its state on disk, when device memory is short.
+
+Vocabulary:
+
+- **host**: CPU memory. With a CUDA module it is pinned (page-locked), so copies to and from the device run
+  asynchronously at full bus speed.
+- **master**: the optimizer's copy of this rank's shard of a parameter (see :class:`ShardedParam`). Offloaded, the
+  masters, a host copy of each reduced gradient shard and the optimizer state live on the host, and the optimizer
+  steps there; only the updated shard travels back to the device.
+- **disk state**: optimizer state tensors backed by memory-mapped files in the offload directory. Each file's space
+  is reserved when it is created, so a full disk fails there, with an error naming the directory, and never in a
+  later write-back; after every step the pages are dropped from the process, so resident memory holds the state
+  only while a step touches it.
+"""

@@ -1,0 +1,76 @@
+"""Optimizer state in memory-mapped files under the offload directory (``offload_optimizer="disk"``)."""
+
+
+from __future__ import annotations
+
+import mmap
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_zero._files import reserved_mapping
+from lightning_zero._offload.target import OffloadError
+
+
+class DiskState:
+    """Optimizer state in memory-mapped files under ``directory``, one file per state tensor.
+
+    :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
+    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory.
+    """
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.directory = directory
+        self.root = Path(tempfile.mkdtemp(prefix=f"lightning_zero-rank{rank}-", dir=directory))
+        self._maps: list[mmap.mmap] = []
+        self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def adopt(self, optimizer: Optimizer) -> None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
+                    continue  # step counters stay in memory; an empty shard needs no file
+                if local.data_ptr() not in self._mapped:
+                    state[key] = self._to_file(value, local)
+        self.release()
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process; the data stays in the files (and the page cache)."""
+        for mapping in self._maps:
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Delete the files; tensors still mapped keep their pages until they are freed."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        nbytes = local.numel() * local.element_size()
+        path = self.root / f"{len(self._maps)}.bin"
+        try:
+            mapping = reserved_mapping(path, nbytes)
+        except OSError as error:
+            raise OffloadError(
+                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}` ({path.name}):"
+                f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
+                " `offload_dir` at a larger one."
+            ) from error
+        mapped = torch.frombuffer(mapping, dtype=local.dtype, count=local.numel()).view(local.shape)
+        mapped.copy_(local)
+        self._maps.append(mapping)
+        self._mapped.add(mapped.data_ptr())
+        self._bytes += nbytes
+        if not isinstance(value, DTensor):
+            return mapped
+        return DTensor.from_local(
+            mapped, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
