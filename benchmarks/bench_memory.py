@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import measure, storage_bytes
+from lightning_zero.memory import engine_of, measure, storage_bytes
 from tests.launch import launch
 
 MIB = 2**20
@@ -170,7 +170,7 @@ def train_and_measure(mode: Mode, args: argparse.Namespace, world_size: int) -> 
         limit_val_batches=0,
     )
     trainer.fit(module)
-    engine = getattr(trainer.strategy, "_engine", None)  # stages 1 and 2 only
+    engine = engine_of(trainer.strategy)  # stages 1 and 2 only
     state = measure(module, trainer.optimizers, engine)
     # With a master dtype each shard's gradient is handed to the optimizer as an fp32 copy, kept until `zero_grad`.
     sharded = [] if engine is None else engine.sharded

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
+from lightning_zero.memory import engine_of
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
@@ -168,7 +169,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def grad_tensors(strategy: Strategy, module: nn.Module) -> Iterator[torch.Tensor]:
     yield from (p.grad for p in module.parameters() if p.grad is not None)
-    engine = getattr(strategy, "_engine", None)
+    engine = engine_of(strategy)
     if engine is None:  # DDP, or ZeRO on one process
         return
     for sharded in engine.sharded:
@@ -217,7 +218,7 @@ class Probe(Callback):
         # still inside fit: the strategy's teardown drops the engine and its buffer pool
         self.memory["params"] = storage_bytes(module.parameters())
         self.memory["optimizer"] = storage_bytes(optimizer_state_tensors(trainer.strategy))
-        engine = getattr(trainer.strategy, "_engine", None)
+        engine = engine_of(trainer.strategy)
         self.memory["pool"] = engine.pool.nbytes() if engine is not None else 0
 
     def steps_per_second(self, warmup: int) -> float:

@@ -1,13 +1,15 @@
-"""ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies.
+"""ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies, for the Trainer and for Fabric.
 
 ``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and
-``"zero3_offload"``, so
-``Trainer(strategy="zero3")`` works; the classes can also be passed directly or named as ``class_path`` in a
-LightningCLI config.
+``"zero3_offload"`` with both, so ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")`` work; the classes
+(``lightning_zero.Zero3Strategy`` for the Trainer, ``lightning_zero.fabric.Zero3Strategy`` for Fabric) can also be
+passed directly or named as ``class_path`` in a LightningCLI config.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero import fabric
 from lightning_zero._checkpoint.directory import CheckpointError
 from lightning_zero._offload.target import OffloadError
 from lightning_zero.consolidate import consolidate_checkpoint
@@ -21,7 +23,9 @@ __all__ = [
     "Zero3Strategy",
     "ZeroStrategy",
     "consolidate_checkpoint",
+    "fabric",
 ]
 __version__ = "0.1.0"
 
 ZeroStrategy.register_strategies(StrategyRegistry)
+fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGIES)

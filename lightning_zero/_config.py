@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_zero._offload.target import OffloadTarget, check_directory
-from lightning_zero._wrap import ModulePolicy, RepeatedEntries, resolve_policy
+from lightning_zero._wrap import ModuleFilter, ModulePolicy, RepeatedEntries, resolve_policy
+
+ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
+"""How a user names submodules (``auto_wrap_policy``, ``activation_checkpointing``): see :mod:`lightning_zero._wrap`."""
 
 
 class Stage(IntEnum):
@@ -66,23 +70,50 @@ class ZeroConfig:
     pin_memory: bool = True
     """Page-lock host copies of a CUDA module's state, so transfers run asynchronously at full speed."""
 
-    @property
-    def offload(self) -> OffloadTarget:
-        """Where the optimizer lives, ``offload_parameters`` included (it takes the optimizer to the host)."""
-        if self.offload_parameters and self.offload_optimizer is OffloadTarget.DEVICE:
-            return OffloadTarget.CPU
-        return self.offload_optimizer
     memory_report: bool = True
     """Log, on rank 0 right after the first optimizer step of each ``fit``, this rank's measured model-state bytes
     beside the ZeRO paper's estimate for the same stage, ranks and precision."""
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The names of the ZeRO options, ``stage`` first."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def for_strategy(
+        cls,
+        strategy: str,
+        fixed_stage: Stage | None,
+        unknown: dict[str, Any],
+        *,
+        peer: str,
+        stage: object,
+        **options: Any,
+    ) -> ZeroConfig:
+        """The options a strategy class named ``strategy`` was given: ``fixed_stage`` is the stage a ``Zero{N}Strategy``
+        runs (``None`` for ``ZeroStrategy``); ``unknown`` what it did not take, refused with the names of the ZeRO
+        options and of the Lightning strategy ``peer`` it takes the rest from."""
+        if unknown:
+            names = cls.option_names()
+            listed = ", ".join(f"`{n}`" for n in names[:-1]) + f" and `{names[-1]}`"
+            raise TypeError(
+                f"{strategy} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are {listed}; the rest"
+                f" are those of Lightning's `{peer}`."
+            )
+        if fixed_stage is not None and stage is not None and stage != fixed_stage:
+            raise ValueError(
+                f"{strategy} runs stage {int(fixed_stage)}, not `stage={stage!r}`."
+                f" HINT: use `ZeroStrategy(stage={stage!r})` or the matching `Zero{stage}Strategy`."
+            )
+        return cls.from_options(stage=(fixed_stage or Stage.GRADIENTS) if stage is None else stage, **options)
 
     @classmethod
     def from_options(
         cls,
         *,
         stage: object,
-        bucket_cap_mb: object,
-        broadcast_buffers: object,
+        bucket_cap_mb: object = 25.0,
+        broadcast_buffers: object = True,
         auto_wrap_policy: object = None,
         activation_checkpointing: object = None,
         master_weights: object = False,
@@ -169,6 +200,13 @@ class ZeroConfig:
             pin_memory=pin_memory,
             memory_report=memory_report,
         )
+
+    @property
+    def offload(self) -> OffloadTarget:
+        """Where the optimizer lives, ``offload_parameters`` included (it takes the optimizer to the host)."""
+        if self.offload_parameters and self.offload_optimizer is OffloadTarget.DEVICE:
+            return OffloadTarget.CPU
+        return self.offload_optimizer
 
     @property
     def master_dtype(self) -> torch.dtype | None:

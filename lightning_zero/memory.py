@@ -61,3 +61,9 @@ def measure(module: nn.Module, optimizers: Iterable[Optimizer], engine: object |
         master_weights=storage_bytes(masters),
         optimizer_state=storage_bytes(state),
     )
+
+
+def engine_of(strategy: object) -> object | None:
+    """The stage 1/2 engine of a ZeRO strategy (its buffers count as gradients), ``None`` for any other strategy or
+    stage, or before training."""
+    return getattr(getattr(strategy, "mode", None), "engine", None)

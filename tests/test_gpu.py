@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import Zero1Strategy, Zero2Strategy
+from lightning_zero.memory import engine_of
 from tests.test_parity import close
 from tests.workers.modules import Classifier
 
@@ -31,7 +32,7 @@ class Where(pl.Callback):
     takes the module back to the CPU)."""
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        engine = getattr(trainer.strategy, "_engine", None)
+        engine = engine_of(trainer.strategy)
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.dim() > 0]
         self.weights = {(t.device.type, t.is_pinned()) for t in locals_}
         self.masters = {(s.master.device.type, s.master.is_pinned()) for s in engine.sharded} if engine else set()
@@ -105,7 +106,7 @@ def test_bf16_module_on_fp32_host_masters() -> None:
     reference = train("ddp", steps=3)
     trainer = train(Zero2Strategy(master_weights=True, offload_optimizer=True), steps=3, precision="bf16-true")
     assert where(trainer).weights == {("cuda", False)} and where(trainer).masters == {("cpu", True)}
-    for sharded in trainer.strategy._engine.sharded:
+    for sharded in trainer.strategy.mode.engine.sharded:
         assert sharded.master.dtype == torch.float32 and sharded.param.dtype == torch.bfloat16
         assert torch.equal(sharded.local.cpu(), sharded.master.to(torch.bfloat16))
     expected = weights(reference)

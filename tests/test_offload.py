@@ -216,7 +216,7 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
         from pathlib import Path
         import torch
         from lightning_zero._offload.disk import DiskState
-from lightning_zero._offload.target import OffloadError
+        from lightning_zero._offload.target import OffloadError
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

@@ -105,7 +105,7 @@ def test_one_device_trains_plainly(strategy: str) -> None:
         results[name] = (module.state_dict(), trainer.optimizers[0])
     (plain, _), (zero, optimizer) = results["ddp"], results[strategy]
     assert type(optimizer) is torch.optim.AdamW  # no wrapper, no collectives
-    assert trainer.strategy._engine is None
+    assert trainer.strategy.mode.engine is None
     for key, value in plain.items():
         torch.testing.assert_close(zero[key], value, rtol=0, atol=0)
 

@@ -50,7 +50,7 @@ def test_precision_plugin_pickles_as_itself(precision: str) -> None:
     trainer = pl.Trainer(strategy="zero2", accelerator="cpu", devices=1, precision=precision, logger=False)
     plugin = trainer.strategy.precision_plugin
     copied = pickle.loads(pickle.dumps(plugin))
-    assert type(copied) is type(plugin) and type(plugin).__module__ == "lightning_zero._core.precision"
+    assert type(copied) is type(plugin) and type(plugin).__module__ == "lightning_zero.pytorch.precision"
     assert copied.precision == plugin.precision == precision
 
 

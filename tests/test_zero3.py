@@ -383,7 +383,7 @@ def test_meta_init_creates_only_resettable_parameters_on_meta() -> None:
         assert not nn.Linear(2, 2).weight.is_meta  # one device: nothing to shard
     assert not nn.Linear(2, 2).weight.is_meta
 
-    resets = strategy._meta_init.plan(nn.Sequential(linear, custom, norm, head))
+    resets = strategy.mode.meta_init.plan(nn.Sequential(linear, custom, norm, head))
     # in registration order; the tied weight takes its creator's values, the head still draws as it did eagerly
     assert [(type(r.module).__name__, r.owned) for r in resets] == [
         ("Linear", ["weight", "bias"]), ("BatchNorm1d", ["weight", "bias"]), ("Linear", []),
@@ -397,4 +397,4 @@ def test_meta_parameter_nothing_can_initialise_is_refused() -> None:
     holder = nn.Module()
     holder.weight = linear.weight  # held only by a module without `reset_parameters()`
     with pytest.raises(ValueError, match=r"\['weight'\] are on the meta device.*HINT: define `reset_parameters"):
-        strategy._meta_init.plan(holder)
+        strategy.mode.meta_init.plan(holder)

@@ -1,35 +1,38 @@
-"""Makes Lightning's precision plugins work with ZeRO's gradients: clipping where the stage keeps them, and the
-engine's loss scaling where gradients are fp16 and sharded.
+"""Makes Lightning's precision plugins (the Trainer's and Fabric's) work with ZeRO's gradients: clipping where the
+stage keeps them, and the engine's loss scaling where gradients are fp16 and sharded.
 
-Each of Lightning's plugins that a ``precision=`` flag gives a DDP-style strategy has a ZeRO-aware subclass defined
-here, at module level, so a strategy holding one pickles by reference (``start_method="spawn"`` sends it to every
-rank). The plugin the Trainer built becomes an instance of that subclass in place, keeping its settings."""
+Each front end maps every plugin class a ``precision=`` flag gives a DDP-style strategy to a ZeRO-aware subclass
+defined at module level, so a strategy holding one pickles by reference (``start_method="spawn"`` sends it to every
+rank). The plugin Lightning built becomes an instance of that subclass in place, keeping its settings.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.optimizer import ZeroOptimizer
 
 _SCALER_KEY = "lightning_zero_loss_scaler"
+Plugin = TypeVar("Plugin")
 
 
-class _ZeroPrecisionMixin:
-    zero_loss_scaler: LossScaler | None = None  # set by the strategy when the engine scales the loss
+class ZeroPrecisionMixin:
+    """Placed before a Lightning precision class: clipping reads the gradients where the stage keeps them, and the
+    loss is multiplied by the engine's scale when the engine scales it."""
+
+    zero_loss_scaler: LossScaler | None = None  # set when the engine scales the loss (fp16 gradients in shards)
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         if isinstance(optimizer, ZeroOptimizer):
             return optimizer.main_params()
         return super().main_params(optimizer)  # type: ignore[misc]
 
-    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:
+    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
         tensor = super().pre_backward(tensor, module)  # type: ignore[misc]
         scaler = self.zero_loss_scaler
         return tensor if scaler is None else tensor * scaler.scale
@@ -48,43 +51,28 @@ class _ZeroPrecisionMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-class ZeroPrecision(_ZeroPrecisionMixin, Precision):
-    """``precision="32-true"``."""
-
-
-class ZeroMixedPrecision(_ZeroPrecisionMixin, MixedPrecision):
-    """``precision="16-mixed"`` and ``"bf16-mixed"``."""
-
-
-class ZeroHalfPrecision(_ZeroPrecisionMixin, HalfPrecision):
-    """``precision="16-true"`` and ``"bf16-true"``."""
-
-
-class ZeroDoublePrecision(_ZeroPrecisionMixin, DoublePrecision):
-    """``precision="64-true"``."""
-
-
-_ZERO_AWARE: dict[type[Precision], type[Precision]] = {
-    Precision: ZeroPrecision,
-    MixedPrecision: ZeroMixedPrecision,
-    HalfPrecision: ZeroHalfPrecision,
-    DoublePrecision: ZeroDoublePrecision,
-}
-
-
-def zero_aware(plugin: Precision) -> Precision:
-    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of the matching ``Zero*`` class,
-    with its settings (a ``MixedPrecision``'s scaler, a ``HalfPrecision``'s dtype) kept."""
-    if isinstance(plugin, _ZeroPrecisionMixin):
+def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
+    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of its class's entry in
+    ``classes`` (the ZeRO-aware subclass defined in module ``where``), with its settings kept."""
+    if isinstance(plugin, ZeroPrecisionMixin):
         return plugin
-    zero_class = _ZERO_AWARE.get(type(plugin))
+    zero_class = classes.get(type(plugin))
     if zero_class is None:
-        known = ", ".join(f"`{cls.__name__}`" for cls in _ZERO_AWARE)
+        known = ", ".join(f"`{cls.__name__}`" for cls in classes)
         raise TypeError(
             f"The precision plugin `{type(plugin).__name__}` is not one the ZeRO strategies can adapt; they clip and"
-            f" scale sharded gradients in Lightning's {known}. HINT: pass `Trainer(precision=...)` with one of"
-            " '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true', '64-true'; for a plugin of your own,"
-            " derive it from the matching class of `lightning_zero._core.precision`, e.g. `ZeroMixedPrecision`."
+            f" scale sharded gradients in Lightning's {known}. HINT: pass `precision=...` with one of '32-true',"
+            " '16-mixed', 'bf16-mixed', '16-true', 'bf16-true', '64-true'; for a plugin of your own, derive it from"
+            f" the matching class of `{where}`, e.g. `ZeroMixedPrecision`."
         )
     plugin.__class__ = zero_class
     return plugin
+
+
+def take_over_scaler(plugin: object) -> bool:
+    """Take a mixed-precision plugin's ``GradScaler`` away (``"16-mixed"`` on a GPU): it would look only at this
+    rank's gradient shards for overflows, so the engine scales the loss instead. Returns whether it had one."""
+    if getattr(plugin, "scaler", None) is None:
+        return False
+    plugin.scaler = None  # type: ignore[attr-defined]
+    return True

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,28 +33,25 @@ class EnginePrecision:
     host: bool = False  # masters, their gradients, optimizer state and the step in host memory (offload)
     pin_memory: bool = True  # page-lock those host tensors when the module is on a CUDA device
 
-
-def engine_precision(config: ZeroConfig, module: nn.Module, plugin: Precision) -> EnginePrecision:
-    """The dtypes the engine adds to the module's. Loss scaling is the engine's wherever fp16 gradients end up in
-    shards: with fp16 master-weight training, and in place of Lightning's ``GradScaler`` (``"16-mixed"`` on GPU),
-    which would look only at this rank's shards for overflows; ``plugin`` gives its scaler up."""
-    dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
-    if config.master_weights and not dtypes & {torch.float16, torch.bfloat16}:
-        raise ValueError(
-            "`master_weights=True` keeps fp32 master shards of a 16-bit module, but the module's parameters are"
-            f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')` (or '16-true')."
+    @classmethod
+    def of(cls, config: ZeroConfig, module: nn.Module, *, replaces_grad_scaler: bool) -> EnginePrecision:
+        """The dtypes the engine adds to ``module``'s. Loss scaling is the engine's wherever fp16 gradients end up in
+        shards: with fp16 master-weight training, and where it ``replaces_grad_scaler``, the ``GradScaler`` of
+        ``"16-mixed"`` on a GPU, which would look only at this rank's shards for overflows."""
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+        if config.master_weights and not dtypes & {torch.float16, torch.bfloat16}:
+            raise ValueError(
+                "`master_weights=True` keeps fp32 master shards of a 16-bit module, but the module's parameters are"
+                f" {sorted(map(str, dtypes))}. HINT: pass `precision='bf16-true'` (or '16-true')."
+            )
+        fp16_master = config.master_weights and torch.float16 in dtypes
+        return cls(
+            master_dtype=config.master_dtype,
+            reduce_dtype=config.reduce_dtype,
+            loss_scaling=fp16_master or replaces_grad_scaler,
+            host=config.offload is not OffloadTarget.DEVICE,
+            pin_memory=config.pin_memory,
         )
-    takes_over_scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-    if takes_over_scaler:
-        plugin.scaler = None
-    fp16_master = config.master_weights and torch.float16 in dtypes
-    return EnginePrecision(
-        master_dtype=config.master_dtype,
-        reduce_dtype=config.reduce_dtype,
-        loss_scaling=fp16_master or takes_over_scaler,
-        host=config.offload is not OffloadTarget.DEVICE,
-        pin_memory=config.pin_memory,
-    )
 
 
 def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[ShardedParam]]:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.wrappers import _FabricOptimizer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
@@ -14,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_zero._engine.loss_scaler import LossScaler, StepVerdict
 from lightning_zero._engine.reducers import GradHome
 from lightning_zero._engine.sharded_param import ShardedParam
-from lightning_zero._offload.kernels import host_kernel, implementation, unchosen_groups
+from lightning_zero._offload.kernels import KernelChoice
 
 
 class ZeroOptimizer(Optimizer):
@@ -50,12 +51,8 @@ class ZeroOptimizer(Optimizer):
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
         self.sharded = [shards[id(p)] for ps in self._module_groups for p in ps if id(p) in shards]
         self._shard_ids = {id(s.shard) for s in self.sharded}
-        # Groups that left the implementation to torch, which picks a per-parameter loop on CPU, step with the
-        # multi-tensor kernels (one DTensor dispatch per operation rather than per parameter and operation) or, on
-        # host masters, the fused ones where the optimizer has them for shards; decided once, for the shards.
         with self.shards_installed():
-            self._kernel = host_kernel(optimizer) if host else "foreach"
-        self._kernel_groups = unchosen_groups(optimizer.param_groups, self._kernel)
+            self._kernels = KernelChoice.on_shards(optimizer, host=host)
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
@@ -92,7 +89,7 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
         if not skip:
-            with self.shards_installed(), implementation(self._kernel_groups, self._kernel):
+            with self.shards_installed(), self._kernels.applied(self.optimizer):
                 self.optimizer.step()
             if self._masters or self._scaler is not None:
                 for sharded in self.sharded:
@@ -145,17 +142,23 @@ class ZeroOptimizer(Optimizer):
         self.__dict__.update(state)
 
 
-def unwrap(optimizer: Optimizer) -> Optimizer:
-    """The optimizer itself, out of Lightning's and this package's wrappers."""
-    if isinstance(optimizer, LightningOptimizer):
+def as_set_up(optimizer: Optimizer) -> Optimizer:
+    """The optimizer as the strategy set it up (a :class:`ZeroOptimizer` in stages 1 and 2), out of the front ends'
+    wrappers: Lightning's ``LightningOptimizer`` and Fabric's ``_FabricOptimizer`` both keep it as ``_optimizer``."""
+    while isinstance(optimizer, (LightningOptimizer, _FabricOptimizer)):
         optimizer = optimizer._optimizer
+    return optimizer
+
+
+def unwrap(optimizer: Optimizer) -> Optimizer:
+    """The ``torch.optim`` optimizer itself, out of the front ends' wrappers and this package's."""
+    optimizer = as_set_up(optimizer)
     return optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
 
 
 def check_configured(optimizer: object) -> None:
     """What ``configure_optimizers`` returned must be a plain ``torch.optim`` optimizer."""
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
+    optimizer = as_set_up(optimizer)  # type: ignore[arg-type]
     if not isinstance(optimizer, Optimizer) or isinstance(optimizer, ZeroOptimizer):
         raise TypeError(
             f"`configure_optimizers` returned {type(optimizer).__name__}, which is not a `torch.optim.Optimizer`."

@@ -26,7 +26,7 @@ import math
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,6 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Trainer
 
 _MIXED = "got mixed torch.Tensor and DTensor"
 _SHARD_OUTSIDE_FORWARD = (
@@ -108,23 +105,20 @@ class ShardedModule:
         """The object that sharded ``module``, if one did."""
         return _BY_MODULE.get(module)
 
-    def step(self, redirection: Callable[..., Any], method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the LightningModule's ``method`` (``training_step``, ...) as the root's forward, through Lightning's
-        forward redirection: the root unit is gathered for the whole step, whatever the step calls, and the root's
-        hooks run even when the step never calls ``self(...)``."""
+    def run_as_forward(self, forward: Callable[[], Any]) -> Any:
+        """Run ``forward``: a LightningModule hook (``training_step``, ...) called as the root's forward through
+        Lightning's forward redirection, so that the root unit is gathered for the whole step, whatever the step
+        calls, and the root's hooks run even when the step never calls ``self(...)``."""
         with ExitStack() as stack:
             if torch.is_inference_mode_enabled():  # gathered parameters must stay usable by the next training step
                 stack.enter_context(torch.inference_mode(False))
                 stack.enter_context(torch.no_grad())
             try:
-                output = redirection(self.module, self.module, method, *args, **kwargs)
+                return forward()
             except RuntimeError as error:
                 if _MIXED not in str(error):
                     raise
                 raise RuntimeError(f"{error}\n{_SHARD_OUTSIDE_FORWARD}") from error
-        if method == "training_step":
-            check_plain_loss(output.get("loss") if isinstance(output, dict) else output)
-        return output
 
     def _follow_requires_grad(self, *_: Any) -> None:
         """The root unit stays gathered through a step, so its gathered parameters miss a ``requires_grad`` change
@@ -187,9 +181,9 @@ def offload_policy(config: ZeroConfig, device: torch.device) -> OffloadPolicy | 
 
 
 def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
-    """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) become fp32 while
-    ``fully_shard`` gathers them in the module's 16-bit dtype and reduces gradients in that dtype (or
-    ``reduce_dtype``)."""
+    """ZeRO mixed precision in stage 3: the sharded parameters (the optimizer's masters) are fp32 (see
+    :func:`masters_in_fp32`) while ``fully_shard`` gathers them in the module's 16-bit dtype and reduces gradients in
+    that dtype (or ``reduce_dtype``)."""
     reduce_dtype = config.reduce_dtype
     if not config.master_weights:
         return None if reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
@@ -200,9 +194,13 @@ def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPol
             f" {sorted(map(str, dtypes))}. HINT: pass `Trainer(precision='bf16-true')`; fp16 master weights with"
             " loss scaling run in stages 1 and 2."
         )
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.bfloat16)
+
+
+def masters_in_fp32(module: nn.Module) -> None:
+    """Make the 16-bit parameters fp32 before ``fully_shard``: its shards are then the optimizer's fp32 masters."""
     for param in module.parameters():
         param.data = param.data.float()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.bfloat16)
 
 
 def check_plain_loss(loss: object) -> None:
@@ -211,19 +209,11 @@ def check_plain_loss(loss: object) -> None:
         raise RuntimeError(f"The loss is a DTensor of placements {loss.placements}.\n{_SHARD_OUTSIDE_FORWARD}")
 
 
-def check_even_batches(trainer: Trainer, loop: str, group: ProcessGroup) -> None:
+def check_even_batches(counts: list[float], loop: str, group: ProcessGroup) -> None:
     """Before an evaluation loop (``"validation"``, ``"test"`` or ``"predict"``): every rank must run the same number
     of batches, or the ranks that run more would wait forever in a unit's all-gather. One collective compares the
-    counts (one per dataloader) of all ranks; an unknown count (an iterable without a length) cannot be compared."""
-    match loop:
-        case "validation" if trainer.sanity_checking:
-            counts = trainer.num_sanity_val_batches
-        case "validation":
-            counts = trainer.num_val_batches
-        case "test":
-            counts = trainer.num_test_batches
-        case _:
-            counts = trainer.num_predict_batches
+    ``counts`` (one per dataloader) of all ranks; an unknown count (``inf``: an iterable without a length) cannot be
+    compared."""
     everyone: list[list[float]] = [[] for _ in range(group.size())]
     with torch.profiler.record_function("lightning_zero::check_even_batches"):
         dist.all_gather_object(everyone, [float(c) for c in counts], group=group)

@@ -1,13 +1,13 @@
-"""The Lightning strategies: they coordinate setup and hooks, and delegate the ZeRO work to the engine (stages 1
-and 2) or to torch's ``fully_shard`` (stage 3, see :mod:`lightning_zero._stage3.sharded_module`)."""
+"""The Trainer front end: ZeRO as ``lightning.pytorch`` strategies. Each hook translates to a call of the core's
+mode (:mod:`lightning_zero._core.mode`), which does the ZeRO work for the stage and the number of ranks."""
 
 from __future__ import annotations
 
-import atexit
 import shutil
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,65 +15,29 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.utils import _sync_module_states as _sync_states_except
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero._checkpoint.live import (
-    load_directory,
-    load_full_optimizer_state,
-    load_full_optimizer_state_into_dtensors,
-    named_optimizer_state,
-    save_directory,
-    sharded_model_state,
-)
-from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._core.precision import zero_aware
+from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._config import ModuleOption, Stage, ZeroConfig
+from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._engine.engine import EngineState, ZeroEngine, engine_precision
-from lightning_zero._engine.optimizer import ZeroOptimizer, check_configured, unwrap
-from lightning_zero._engine.reducers import ReduceMode, reducer_for
-from lightning_zero._offload.disk import DiskState
-from lightning_zero._offload.kernels import host_kernel, implementation, unchosen_groups
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
-from lightning_zero._stage3.meta_init import MetaInit, materialize
-from lightning_zero._stage3.sharded_module import (
-    ShardedModule,
-    check_even_batches,
-    check_plain_loss,
-    offload_policy,
-    precision_policy,
-)
-from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import shared_memory
-from lightning_zero._wrap import ModuleFilter, apply_activation_checkpointing, choose_units
+from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
+from lightning_zero.pytorch.precision import zero_aware
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
-
-
-@atexit.register
-def _close_process_group() -> None:
-    """Lightning leaves the process group open after `fit`; torn down only by interpreter exit, gloo's worker threads
-    can be destroyed still joinable ("terminate called without an active exception"). Close it first."""
-    shared_memory.close_all()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights
-ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
 
 
 class ZeroStrategy(DDPStrategy):
@@ -142,20 +106,12 @@ class ZeroStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} got unknown option(s) {sorted(unknown)}. HINT: the ZeRO options are `stage`,"
-                " `bucket_cap_mb`, `broadcast_buffers`, `auto_wrap_policy`, `activation_checkpointing`,"
-                " `master_weights`, `reduce_dtype`, `offload_optimizer`, `offload_parameters`, `offload_dir`,"
-                " `pin_memory` and `memory_report`; the rest are those of Lightning's `DDPStrategy`."
-            )
-        if stage is not None and type(self) is not ZeroStrategy and stage != self.default_stage:
-            raise ValueError(
-                f"{type(self).__name__} runs stage {int(self.default_stage)}, not `stage={stage!r}`."
-                f" HINT: use `ZeroStrategy(stage={stage!r})` or the matching `Zero{stage}Strategy`."
-            )
-        self.config = ZeroConfig.from_options(
-            stage=self.default_stage if stage is None else stage,
+        self.config = ZeroConfig.for_strategy(
+            type(self).__name__,
+            self.default_stage if type(self) is not ZeroStrategy else None,
+            unknown,
+            peer="DDPStrategy",
+            stage=stage,
             bucket_cap_mb=bucket_cap_mb,
             broadcast_buffers=broadcast_buffers,
             auto_wrap_policy=auto_wrap_policy,
@@ -178,23 +134,20 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._engine: ZeroEngine | None = None
-        self._sharded: ShardedModule | None = None  # stage 3 on more than one rank
-        self._meta_init = MetaInit()
-        self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
-        self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
+        self._mode: Mode | None = None
         self._report_due = False  # whether the next optimizer step is the first of a `fit` that logs the report
-        self._host_kernels: dict[int, str] = {}  # stage 3 offloaded: each optimizer's host kernel, by ``id``
 
     @property
     def stage(self) -> Stage:
         return self.config.stage
 
     @property
-    def _sharding(self) -> bool:
-        """Whether ZeRO's machinery runs: on several ranks, or on one device to offload to the host. Otherwise the
-        module trains plainly, with the optimizer as configured and no collectives."""
-        return self.world_size > 1 or self.config.offload is not OffloadTarget.DEVICE
+    def mode(self) -> Mode:
+        """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
+        is known."""
+        if self._mode is None:
+            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
+        return self._mode
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -238,21 +191,12 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
-        self._remove_engine()  # from an earlier `fit`; a new one is built for this one
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self.config.activation_checkpointing is not None:
-            apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
-        match self.stage:
-            case Stage.PARAMETERS if self._sharding:
-                self._shard_parameters()
-            case _:
-                self.model_to_device()
-                if self.world_size > 1:
-                    _sync_module_states(self.model)  # every rank starts from rank 0's weights, as under DDP
+        self.mode.setup_module(self.model, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self._report_due = self.config.memory_report
@@ -260,57 +204,11 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard_parameters(self) -> None:
-        """Stage 3, before ``configure_optimizers``: checkpointing is applied; now ``fully_shard`` the units and the
-        LightningModule, then give parameters created on the meta device their values, shard by shard."""
-        assert self.lightning_module is not None
-        module = self.lightning_module
-        existing = ShardedModule.of(module)
-        if existing is not None:  # a later `fit`, `validate`, `test` or `predict` of the module, by any Trainer
-            self._sharded = existing
-            existing.reshard()
-            return
-        resets = self._meta_init.plan(module)
-        meta = {name for name, p in module.named_parameters() if p.is_meta}
-        # Everything real goes to the device first, as under DDP: `fully_shard` moves only parameters and buffers,
-        # not other module state (torchmetrics' metric states), and then offloads the shards itself.
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        # every rank starts from rank 0's weights, as under DDP (meta ones are drawn from rank 0's generator)
-        _sync_states_except(module, mesh.get_group(), _BROADCAST_BUCKET_BYTES, 0, meta)
-        units = choose_units(module, self.config.auto_wrap_policy)
-        precision, offload = precision_policy(self.config, module), offload_policy(self.config, self.root_device)
-        self._sharded = ShardedModule(module, mesh, units, self.root_device, precision, offload)
-        materialize(module, resets, self.root_device, self._sharded.group, shards_on_host=offload is not None)
-        self._buffers_due = True
-
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        self._host_kernels = {}
-        for optimizer in self.optimizers:
-            check_configured(optimizer)
-        self._remove_engine()
-        if not self._sharding and self.config.master_weights:
-            raise ValueError(
-                "`master_weights=True` shards fp32 master weights across ranks; this run has one."
-                " HINT: on one device use `Trainer(precision='bf16-mixed')`, which keeps fp32 weights, or offload"
-                " the masters to the host with `offload_optimizer=True`."
-            )
-        if self.config.offload is OffloadTarget.DISK:
-            assert self.config.offload_dir is not None
-            self._disk = DiskState(self.config.offload_dir, self.global_rank)
-        if not self._sharding or self.stage is Stage.PARAMETERS:
-            return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        precision = engine_precision(self.config, self.lightning_module, self.precision_plugin)
-        self._engine = ZeroEngine(
-            self.lightning_module, reducer_for(self.stage), mesh, self.config.bucket_bytes, precision
-        )
-        self.precision_plugin.zero_loss_scaler = self._engine.scaler
-        self._buffers_due = True
-        self.optimizers = [self._engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
+        self.optimizers = self.mode.setup_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
 
     @override
     def optimizer_step(
@@ -320,22 +218,9 @@ class ZeroStrategy(DDPStrategy):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Offloaded, stage 3's host step uses torch's fused CPU kernels (stages 1 and 2 choose them in the engine),
-        and disk-offloaded state created or replaced by the step moves into its files. The first step of a ``fit``
-        is followed by the memory report."""
-        kernels: AbstractContextManager[None] = nullcontext()
-        if self.config.offload is not OffloadTarget.DEVICE and self._sharded is not None:
-            inner = unwrap(optimizer)
-            # decided at the first step, once the shards are where they stay (the groups are looked up each step:
-            # loading a checkpoint replaces them)
-            if id(inner) not in self._host_kernels:
-                self._host_kernels[id(inner)] = host_kernel(inner)
-            kernel = self._host_kernels[id(inner)]
-            kernels = implementation(unchosen_groups(inner.param_groups, kernel), kernel)
-        with kernels:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._disk is not None:
-            self._disk.adopt(unwrap(optimizer))
+        """The step as the mode runs it; the first step of a ``fit`` is followed by the memory report."""
+        step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        output = self.mode.optimizer_step(optimizer, step)
         if self._report_due:
             self._report_due = False
             self._log_memory_report()
@@ -353,7 +238,7 @@ class ZeroStrategy(DDPStrategy):
             num_ranks=self.world_size,
             num_nodes=self.num_nodes,
             master_weights=self.config.master_weights,
-            engine=self._engine,
+            engine=self.mode.engine,
             offload=self.config.offload is not OffloadTarget.DEVICE,
         )
         log_info(report)
@@ -361,22 +246,8 @@ class ZeroStrategy(DDPStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Micro-batches before the last of an accumulation window: stage 1 accumulates locally; stage 2 keeps
-        reducing each backward into its gradient shards, so full gradients never accumulate; stage 3 uses
-        ``fully_shard``'s no-sync: each unit keeps its full gradient until the synchronised backward."""
-        if self._sharded is not None:
-            with self._sharded.gradient_sync_disabled():
-                yield None
-            return
-        if self._engine is None:
-            yield None
-            return
-        reducer = self._engine.reducer
-        previous, reducer.mode = reducer.mode, ReduceMode.LOCAL
-        try:
-            yield None
-        finally:
-            reducer.mode = previous
+        with self.mode.no_sync():
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -401,89 +272,68 @@ class ZeroStrategy(DDPStrategy):
     def _step(
         self,
         hook: str,
-        unsharded: Callable[..., Any],
+        plain: Callable[..., Any],
         context: Callable[[], AbstractContextManager],
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        """One training, validation, test or predict step: buffers synchronised as DDP would, then the step, run as
-        the root unit's forward under stage 3."""
-        self._sync_buffers_before_forward()
-        if self._sharded is None:
-            return unsharded(*args, **kwargs)
-        with context():
-            return self._sharded.step(self._forward_redirection, hook, *args, **kwargs)
+        """One training, validation, test or predict step: buffers synchronised as DDP would, then the hook, called
+        plainly or (stage 3) as the LightningModule's forward through Lightning's forward redirection."""
+        module = self.lightning_module
+        assert module is not None
+        self.mode.before_step(module)
+
+        def as_forward() -> Any:
+            with context():
+                return self._forward_redirection(module, module, hook, *args, **kwargs)
+
+        return self.mode.run_step(partial(plain, *args, **kwargs), as_forward)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded is not None:
-            check_plain_loss(closure_loss)
+        self.mode.check_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._sharded is not None and self._sharded.gradient_sync:
-            self._sharded.reduce_replicated_grads()
+        self.mode.after_backward()
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._check_even_batches("validation")
+        trainer = self._trainer()
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self.mode.before_evaluation([float(c) for c in counts], "validation")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._check_even_batches("test")
+        self.mode.before_evaluation([float(c) for c in self._trainer().num_test_batches], "test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._check_even_batches("predict")
+        self.mode.before_evaluation([float(c) for c in self._trainer().num_predict_batches], "predict")
 
-    def _check_even_batches(self, loop: str) -> None:
-        if self._sharded is not None:
-            assert self.lightning_module is not None
-            check_even_batches(self.lightning_module.trainer, loop, self._sharded.group)
+    def _trainer(self) -> Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        self._at_rest()
+        self.mode.at_rest()
 
     @override
     def on_test_end(self) -> None:
         super().on_test_end()
-        self._at_rest()
+        self.mode.at_rest()
 
     @override
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self._at_rest()
-
-    def _at_rest(self) -> None:
-        """Stage 3: free the root unit's gathered parameters; the module then holds exactly what the optimizer
-        updates (which checkpoints name) and no more."""
-        if self._sharded is not None:
-            self._sharded.reshard()
-
-    def _sync_buffers_before_forward(self) -> None:
-        """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule:
-        so BatchNorm statistics evolve as they would under ``"ddp"``."""
-        engine = self._engine
-        if not self.config.broadcast_buffers:
-            return
-        if self._sharded is not None:
-            group, synchronised = self._sharded.group, self._sharded.gradient_sync
-        elif engine is not None and engine.state is EngineState.ATTACHED:
-            group, synchronised = engine.group, engine.reducer.mode is ReduceMode.SYNC
-        else:
-            return
-        if self._buffers_due:
-            assert self.lightning_module is not None
-            with torch.no_grad():
-                comm.broadcast_(list(self.lightning_module.buffers()), group)
-        self._buffers_due = torch.is_grad_enabled() and synchronised
+        self.mode.at_rest()
 
     @property
     @override
@@ -493,16 +343,12 @@ class ZeroStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        self._at_rest()
-        return sharded_model_state(self.lightning_module, self._engine)
+        return self.mode.module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        self._at_rest()
-        return named_optimizer_state(optimizer, self.lightning_module)
+        return self.mode.optimizer_state(optimizer, self.lightning_module)
 
     @override
     def save_checkpoint(
@@ -535,20 +381,14 @@ class ZeroStrategy(DDPStrategy):
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = self.optimizers if fitting else []
-        self._at_rest()
-        return load_directory(path, self.lightning_module, self._engine, optimizers)
+        return self.mode.load_directory(path, self.lightning_module, self.optimizers if fitting else [])
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # absent when a checkpoint directory was loaded in place
             return
-        if self._sharded is not None:  # an ordinary file: each rank keeps its rows of every whole tensor
-            self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
-        else:
-            super().load_model_state_dict(checkpoint, strict=strict)
-            if self._engine is not None:
-                self._engine.masters_from_module()
+        assert self.lightning_module is not None
+        self.mode.load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -556,55 +396,29 @@ class ZeroStrategy(DDPStrategy):
         if not states:  # a checkpoint directory was loaded in place
             return
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            if isinstance(optimizer, ZeroOptimizer):
-                load_full_optimizer_state(optimizer, state)
-            elif self._sharded is not None:
-                load_full_optimizer_state_into_dtensors(optimizer, state)
-            else:
-                optimizer.load_state_dict(state)
-            if self.config.offload is OffloadTarget.DEVICE:  # offloaded state stays where the loaders put it
-                _optimizer_to_device(optimizer, self.root_device)
+            self.mode.load_optimizer_state(optimizer, state)
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta
-        device, and get their values after sharding (see :mod:`lightning_zero._stage3.meta_init`), unless
-        ``empty_init=False`` asks for eager initialization."""
-        with super().tensor_init_context(empty_init), self._parameters_on_meta(empty_init is not False):
+        device, and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
+        with super().tensor_init_context(empty_init), self.mode.init_context(empty_init is not False):
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: stage 3 creates parameters on the meta device (see ``tensor_init_context``)."""
-        with super().model_sharded_context(), self._parameters_on_meta(True):
+        with super().model_sharded_context(), self.mode.init_context(True):
             yield
-
-    def _parameters_on_meta(self, enabled: bool) -> AbstractContextManager[None]:
-        several = self.num_nodes * self.num_processes > 1
-        if enabled and self.stage is Stage.PARAMETERS and (several or self.config.offload is not OffloadTarget.DEVICE):
-            return self._meta_init()
-        return nullcontext()
 
     @override
     def teardown(self) -> None:
-        # Detached, not dropped: a checkpoint saved after `fit` still writes each rank's shards only.
-        if self._engine is not None:
-            self._engine.detach()
-        if self._sharded is not None:
-            # Stage 3 keeps SyncBatchNorm after `fit`: `fully_shard` manages those layers' parameters, and swapping
-            # the layers back to BatchNorm would leave the parameters on modules it no longer sees.
+        self.mode.teardown()
+        if self.mode.keeps_sync_batchnorm:
             self._layer_sync = None
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
         super().teardown()
-
-    def _remove_engine(self) -> None:
-        if self._engine is not None:
-            self._engine.detach()
-            self._engine = None
 
     @classmethod
     @override

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import measure
+from lightning_zero.memory import engine_of, measure
 from tests.workers.modules import MODULES
 
 
@@ -39,7 +39,7 @@ class MemoryProbe(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         if self.grad_bytes is not None:
             return
-        engine = getattr(trainer.strategy, "_engine", None)
+        engine = engine_of(trainer.strategy)
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         self.full_grads = len(grads)
         if engine is not None:
@@ -98,10 +98,10 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         "grad_bytes": probe.grad_bytes,
         "full_grads": probe.full_grads,
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
-        "model_state": measure(module, trainer.optimizers, getattr(trainer.strategy, "_engine", None)),
+        "model_state": measure(module, trainer.optimizers, engine_of(trainer.strategy)),
         "memory_reports": [m for m in recorder.messages if m.startswith("Model state per rank")],
     }
-    engine = getattr(trainer.strategy, "_engine", None)
+    engine = engine_of(trainer.strategy)
     if engine is not None and any(s.has_master for s in engine.sharded):
         result["masters"] = [s.shard.detach().full_tensor() for s in engine.sharded]
     if hasattr(module, "report"):

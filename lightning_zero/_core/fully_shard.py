@@ -1,0 +1,153 @@
+"""Stage 3: ``fully_shard`` shards the parameters too; each unit is gathered only around its forward and backward."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from lightning_zero._checkpoint.live import load_full_optimizer_state_into_dtensors
+from lightning_zero._core.mode import Mode, sync_from_rank_zero
+from lightning_zero._engine.optimizer import unwrap
+from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._stage3.meta_init import MetaInit, materialize
+from lightning_zero._stage3.sharded_module import (
+    ShardedModule,
+    check_even_batches,
+    check_plain_loss,
+    masters_in_fp32,
+    offload_policy,
+    precision_policy,
+)
+from lightning_zero._wrap import choose_units
+
+
+class FullyShardMode(Mode):
+    """The module's units and the module itself (the root unit) under ``fully_shard``; the optimizers step on the
+    DTensor shards it leaves in the module, on the host when offloaded."""
+
+    keeps_sync_batchnorm = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharded: ShardedModule | None = None
+        self.meta_init = MetaInit()
+        self._kernels: dict[int, KernelChoice] = {}  # offloaded: each optimizer's host kernels, by ``id``
+        # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
+        self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+
+    def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
+        """Parameters of modules with ``reset_parameters()`` are created on the meta device and get their values after
+        sharding (see :mod:`lightning_zero._stage3.meta_init`), unless ``empty_init`` is false."""
+        return self.meta_init() if empty_init else nullcontext()
+
+    def _place(self, module: nn.Module) -> None:
+        """Apply ``fully_shard`` to the units and the module, then give parameters created on the meta device their
+        values, shard by shard. A module sharded before (a later ``fit``, ``validate``, ...) stays as it is."""
+        existing = ShardedModule.of(module)
+        if existing is not None:
+            self.sharded = existing
+            existing.reshard()
+            return
+        self._names = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+        resets = self.meta_init.plan(module)
+        meta = {name for name, p in module.named_parameters() if p.is_meta}
+        # Everything real goes to the device first, as under DDP: `fully_shard` moves only parameters and buffers,
+        # not other module state (torchmetrics' metric states), and then offloads the shards itself.
+        module._apply(lambda t: t if t.is_meta else t.to(self.device))
+        mesh = self._mesh()
+        sync_from_rank_zero(module, mesh.get_group(), skip=meta)  # meta ones are drawn from rank 0's generator
+        units = choose_units(module, self.config.auto_wrap_policy)
+        precision = precision_policy(self.config, module)
+        if precision is not None and precision.param_dtype is not None:
+            masters_in_fp32(module)
+        offload = offload_policy(self.config, self.device)
+        self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)
+        materialize(module, resets, self.device, self.sharded.group, shards_on_host=offload is not None)
+
+    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+        """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""
+        for optimizer in optimizers:
+            self._adopt_shards(module, optimizer)
+            if self.config.offload is not OffloadTarget.DEVICE:  # decided now, with the shards where they stay
+                self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
+        return optimizers
+
+    def _adopt_shards(self, module: nn.Module, optimizer: Optimizer) -> None:
+        """An optimizer built on the module before sharding (Fabric's ``setup(model, optimizer)``) holds parameters
+        ``fully_shard`` has replaced: point it at their shards, by name."""
+        shards = dict(module.named_parameters(remove_duplicate=False))
+        current = {id(p) for p in shards.values()}
+        for group in optimizer.param_groups:
+            for index, param in enumerate(group["params"]):
+                if id(param) in current:
+                    continue
+                ref, name = self._names.get(id(param), (None, ""))
+                if ref is None or ref() is not param or name not in shards:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
+                        " parameter of the module being set up. HINT: build the optimizer from that module's"
+                        " `parameters()`."
+                    )
+                if optimizer.state:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} already holds state for the unsharded parameters."
+                        " HINT: set it up before its first step; load its state through a checkpoint."
+                    )
+                group["params"][index] = shards[name]
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        return None if self.sharded is None else self.sharded.group
+
+    @property
+    def gradient_sync(self) -> bool:
+        return self.sharded is None or self.sharded.gradient_sync
+
+    def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
+        """Every step runs as the root unit's forward, so that the root stays gathered through it."""
+        assert self.sharded is not None
+        return self.sharded.run_as_forward(as_forward)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """``fully_shard``'s no-sync: each unit keeps its full gradient until the synchronised backward."""
+        return nullcontext() if self.sharded is None else self.sharded.gradient_sync_disabled()
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        check_plain_loss(loss)
+
+    def after_backward(self) -> None:
+        if self.sharded is not None and self.sharded.gradient_sync:
+            self.sharded.reduce_replicated_grads()
+
+    def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
+        """Offloaded, the host step uses torch's fused or multi-tensor CPU kernels."""
+        inner = unwrap(optimizer)
+        kernels = self._kernels.get(id(inner))
+        with nullcontext() if kernels is None else kernels.applied(inner):
+            return super().optimizer_step(optimizer, step)
+
+    def before_evaluation(self, counts: list[float], loop: str) -> None:
+        if self.sharded is not None:
+            check_even_batches(counts, loop, self.sharded.group)
+
+    def at_rest(self) -> None:
+        """Free the root unit's gathered parameters (it stays gathered after an evaluation loop's forward)."""
+        if self.sharded is not None:
+            self.sharded.reshard()
+
+    def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+        """Each rank keeps its rows of every whole tensor."""
+        assert self.sharded is not None
+        self.sharded.load_full_state_dict(state_dict, strict=strict)
+
+    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        load_full_optimizer_state_into_dtensors(optimizer, state_dict)
+

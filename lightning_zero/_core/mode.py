@@ -1,0 +1,197 @@
+"""The interface of the ZeRO core: a *mode* trains one module with its optimizers in one way.
+
+Vocabulary:
+
+- **mode**: how this run trains, chosen once per strategy by :func:`choose_mode` from the options and the number of
+  ranks: :class:`~lightning_zero._core.plain.PlainMode` (one device, nothing to shard),
+  :class:`~lightning_zero._core.engine.EngineMode` (stages 1 and 2: full parameters in the module, optimizer state
+  and, in stage 2, gradients sharded by the package's engine) or
+  :class:`~lightning_zero._core.fully_shard.FullyShardMode` (stage 3: parameters sharded too, by ``fully_shard``).
+- **front end**: the Trainer strategy (:mod:`lightning_zero.pytorch`) or the Fabric strategy
+  (:mod:`lightning_zero.fabric`). It turns Lightning's hooks into the calls below, in the order they come:
+  ``init_context`` around the module's construction; ``setup_module``; ``setup_optimizers``; then for each step
+  ``before_step``, ``run_step``, ``no_sync`` around the backward passes of an accumulation window but the last,
+  ``check_loss``, ``after_backward`` and ``optimizer_step``; ``at_rest`` when a loop ends; the state calls for
+  checkpoints; ``teardown``.
+- **at rest**: the module holds exactly what the optimizers update (stage 3's gathered units freed), which is what
+  checkpoints name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.utils import _sync_module_states
+from torch.optim import Optimizer
+
+from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, sharded_model_state
+from lightning_zero._config import ZeroConfig
+from lightning_zero._engine.engine import ZeroEngine
+from lightning_zero._engine.optimizer import as_set_up, check_configured, unwrap
+from lightning_zero._offload.disk import DiskState
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport import collectives as comm
+from lightning_zero._wrap import apply_activation_checkpointing
+
+
+class Mode:
+    """One way of training a module and its optimizers on this run's ranks; see the module's vocabulary."""
+
+    #: whether the module keeps Lightning's ``SyncBatchNorm`` layers after training (stage 3: ``fully_shard``
+    #: manages their parameters, and swapping the layers back would leave the parameters on modules it no longer sees)
+    keeps_sync_batchnorm: ClassVar[bool] = False
+
+    def __init__(self, config: ZeroConfig) -> None:
+        self.config = config
+        self.device = torch.device("cpu")  # set by ``setup_module``
+        self.engine: ZeroEngine | None = None  # stages 1 and 2, once the optimizers are set up
+        self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
+        self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
+
+    # --- construction and setup ---------------------------------------------------------------------------------
+
+    def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
+        """Around the module's construction (``configure_model``, ``init_module``)."""
+        return nullcontext()
+
+    def setup_module(self, module: nn.Module, device: torch.device) -> None:
+        """Before the optimizers exist: activation checkpointing, then the module's place on ``device``."""
+        self.device = device
+        if self.config.activation_checkpointing is not None:
+            apply_activation_checkpointing(module, self.config.activation_checkpointing)
+        self._place(module)
+        self._buffers_due = True
+
+    def _place(self, module: nn.Module) -> None:
+        """Put the module on ``self.device`` as this mode trains it, every rank starting from rank 0's weights."""
+        raise NotImplementedError
+
+    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+        """The optimizers ``configure_optimizers`` (or the user) built on ``module``'s parameters, as they step here.
+        ``precision`` is the front end's ZeRO-aware precision plugin."""
+        for optimizer in optimizers:
+            check_configured(optimizer)
+        if self.config.offload is OffloadTarget.DISK and self._disk is None:
+            assert self.config.offload_dir is not None
+            self._disk = DiskState(self.config.offload_dir, dist.get_rank() if dist.is_initialized() else 0)
+        return self._wrap_optimizers(module, optimizers, precision)
+
+    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+        """What ``setup_optimizers`` returns, after the common checks."""
+        raise NotImplementedError
+
+    # --- the step ---------------------------------------------------------------------------------------------------
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The data-parallel group, once the mode communicates; ``None`` while there is nothing to synchronise."""
+        return None
+
+    @property
+    def gradient_sync(self) -> bool:
+        """Whether the current backward pass reduces gradients across ranks (not inside ``no_sync``)."""
+        return True
+
+    def before_step(self, module: nn.Module) -> None:
+        """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule: so
+        BatchNorm statistics evolve as they would under ``"ddp"``."""
+        group = self.group
+        if not self.config.broadcast_buffers or group is None:
+            return
+        if self._buffers_due:
+            with torch.no_grad():
+                comm.broadcast_(list(module.buffers()), group)
+        self._buffers_due = torch.is_grad_enabled() and self.gradient_sync
+
+    def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
+        """Run one step of a LightningModule hook, given two ways to call it: ``plain``, directly, or ``as_forward``,
+        as the module's forward."""
+        return plain()
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Around the backward passes of an accumulation window but the last."""
+        return nullcontext()
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Before backward: refuse a loss that cannot give correct gradients here."""
+
+    def after_backward(self) -> None:
+        """After each backward pass."""
+
+    def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
+        """Run ``step``, the front end's optimizer step; disk-offloaded state created or replaced by it then moves into
+        its files."""
+        output = step()
+        if self._disk is not None:
+            self._disk.adopt(unwrap(optimizer))
+        return output
+
+    def before_evaluation(self, counts: list[float], loop: str) -> None:
+        """Before an evaluation loop (``"validation"``, ``"test"``, ``"predict"``) of ``counts`` batches per dataloader
+        on this rank (``inf`` where unknown)."""
+
+    def at_rest(self) -> None:
+        """Bring the module to rest (see the module's vocabulary)."""
+
+    # --- state --------------------------------------------------------------------------------------------------
+
+    def module_state(self, module: nn.Module) -> dict[str, Any]:
+        """The module's state dict for a checkpoint: sharded parameters as DTensors over this rank's rows."""
+        self.at_rest()
+        return sharded_model_state(module, self.engine)
+
+    def optimizer_state(self, optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+        """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
+        self.at_rest()
+        return named_optimizer_state(as_set_up(optimizer), module)
+
+    def load_directory(self, path: Path, module: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+        """Load a checkpoint directory into the live module and ``optimizers`` (none when not fitting); return the
+        rest of the checkpoint."""
+        self.at_rest()
+        return load_directory(path, module, self.engine, [as_set_up(o) for o in optimizers])
+
+    def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+        """Load a state dict of whole tensors (an ordinary single-file checkpoint)."""
+        module.load_state_dict(state_dict, strict=strict)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
+        shards of it, on the device unless they are offloaded."""
+        optimizer = as_set_up(optimizer)
+        self._load_full_optimizer_state(optimizer, state_dict)
+        if self.config.offload is OffloadTarget.DEVICE:  # offloaded state stays where the loaders put it
+            _optimizer_to_device(optimizer, self.device)
+
+    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state_dict)
+
+    # --- the end ----------------------------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """After training: release what only training needs; checkpoints can still be written."""
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+
+    def _mesh(self) -> DeviceMesh:
+        """The data-parallel mesh over every rank."""
+        return init_device_mesh(self.device.type, (dist.get_world_size(),))
+
+
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights
+
+
+def sync_from_rank_zero(module: nn.Module, group: ProcessGroup, skip: set[str] | None = None) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as under DDP (except those named in ``skip``)."""
+    _sync_module_states(module, group, _BROADCAST_BUCKET_BYTES, 0, skip or set())

@@ -1,0 +1,123 @@
+"""Fabric's checkpoint ``state`` (a dict of the user's names to a module, optimizers and anything else) in the
+checkpoint the Trainer writes, and back.
+
+A Trainer checkpoint names the module's state ``"state_dict"`` and lists the optimizers' in ``"optimizer_states"``;
+a Fabric checkpoint is written the same way, with Lightning's version (the Trainer wants it), every other entry of
+``state`` under its own name, and a record of the names the module and optimizers had (:data:`RECORD`). So a
+checkpoint of either front end loads in the other: the module gets ``"state_dict"``, the optimizers
+``"optimizer_states"`` by their saved names or, without a record, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning
+from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _Stateful
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero._checkpoint.directory import CheckpointError, read_meta
+
+RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
+_MODEL, _OPTIMIZERS = "state_dict", "optimizer_states"
+_RESERVED = (_MODEL, _OPTIMIZERS, RECORD, "pytorch-lightning_version")
+
+
+@dataclass(frozen=True)
+class FabricState:
+    """Which names of a Fabric ``state`` dict hold the module and the optimizers."""
+
+    module_key: str | None
+    optimizers: list[str]
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> FabricState:
+        modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+        if len(modules) > 1:
+            raise ValueError(
+                f"The checkpoint state holds several modules ({modules}); a ZeRO strategy shards one."
+                " HINT: put the other modules inside the one you set up, or save them separately."
+            )
+        reserved = [k for k in state if k in _RESERVED]
+        if reserved:
+            raise ValueError(
+                f"The checkpoint state uses the names {reserved}, which the checkpoint format keeps for itself."
+                " HINT: rename those entries."
+            )
+        optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
+        return cls(modules[0] if modules else None, optimizers)
+
+    def module(self, state: dict[str, Any]) -> nn.Module | None:
+        return None if self.module_key is None else state[self.module_key]
+
+    def to_checkpoint(
+        self,
+        state: dict[str, Any],
+        *,
+        module_state: dict[str, Any],
+        optimizer_states: list[dict[str, Any]],
+        filter: dict[str, Callable[[str, Any], bool]],
+    ) -> dict[str, Any]:
+        """The checkpoint of ``state``, given its module's and optimizers' states as the mode makes them."""
+        checkpoint: dict[str, Any] = {"pytorch-lightning_version": lightning.__version__}
+        for key, value in state.items():
+            if key != self.module_key and key not in self.optimizers:
+                _apply_filter(key, filter, value.state_dict() if isinstance(value, _Stateful) else value, checkpoint)
+        if self.module_key is not None:
+            kept: dict[str, Any] = {}
+            _apply_filter(self.module_key, filter, module_state, kept)
+            module_state = kept[self.module_key]
+        checkpoint[_MODEL] = module_state
+        checkpoint[_OPTIMIZERS] = optimizer_states
+        checkpoint[RECORD] = {"module": self.module_key, "optimizers": list(self.optimizers)}
+        return checkpoint
+
+    def saved_optimizer_order(self, path: Path) -> list[str]:
+        """The names of ``state``'s optimizers in the order the checkpoint directory at ``path`` saved their states:
+        by their names in a Fabric checkpoint, as listed otherwise (a Trainer checkpoint)."""
+        meta, _ = read_meta(path)
+        saved = meta["checkpoint"].get(RECORD, {}).get("optimizers")
+        if saved is None:
+            return list(self.optimizers)
+        missing = [k for k in self.optimizers if k not in saved]
+        order = sorted(self.optimizers, key=lambda k: saved.index(k) if k in saved else len(saved))
+        if missing or [saved.index(k) for k in order] != list(range(len(order))):
+            raise CheckpointError(
+                f"Checkpoint {path} holds the optimizers {saved}; the state to load names {self.optimizers}."
+                " HINT: load with the names the checkpoint was saved with (the first ones, in order)."
+            )
+        return order
+
+    def pop_module_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """An ordinary file's module state: under the module's name (Fabric's own format) or ``"state_dict"``."""
+        if self.module_key in checkpoint:
+            return checkpoint.pop(self.module_key)
+        return checkpoint.pop(_MODEL)
+
+    def pop_optimizer_states(self, checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """An ordinary file's optimizer states, by the names in ``state``."""
+        listed = checkpoint.pop(_OPTIMIZERS, [])
+        states = {}
+        for index, key in enumerate(self.optimizers):
+            states[key] = checkpoint.pop(key) if key in checkpoint else listed[index]
+        return states
+
+    def restore_rest(self, state: dict[str, Any], checkpoint: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Fill ``state``'s other entries from ``checkpoint`` (stateful objects in place); return what remains."""
+        for key in (_MODEL, _OPTIMIZERS, RECORD):
+            checkpoint.pop(key, None)
+        others = [k for k in state if k != self.module_key and k not in self.optimizers]
+        _validate_keys_for_strict_loading(others, checkpoint.keys(), strict=strict)
+        for key in others:
+            if key not in checkpoint:
+                continue
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(checkpoint.pop(key))
+            else:
+                state[key] = checkpoint.pop(key)
+        return checkpoint

@@ -1,0 +1,345 @@
+"""The Fabric front end: ZeRO as ``lightning.fabric`` strategies, for hand-written training loops.
+
+``Fabric(strategy="zero2")`` (after ``import lightning_zero``) or ``Fabric(strategy=Zero3Strategy(...))``. Each of
+Fabric's calls translates to a call of the core's mode (:mod:`lightning_zero._core.mode`), as the Trainer's hooks do,
+so both front ends train alike and write the same checkpoint directories (see :mod:`lightning_zero.fabric.state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._config import Stage, ZeroConfig
+from lightning_zero._core import Mode, choose_mode
+from lightning_zero._core.report import log_info, memory_report
+from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
+from lightning_zero.fabric.precision import zero_aware
+from lightning_zero.fabric.state import FabricState
+
+_SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism for a Fabric training loop.
+
+    Stage 1 shards optimizer state across ranks; stage 2 also gradients; stage 3 also the parameters (torch's
+    ``fully_shard``), each unit gathered just for its forward and backward. On a single device every stage trains
+    plainly, unless it offloads.
+
+    Args:
+        stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
+        options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
+            ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
+            ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
+            ``memory_report``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
+        start_method: as for Fabric's ``DDPStrategy``.
+    """
+
+    default_stage: Stage = Stage.GRADIENTS
+
+    def __init__(
+        self,
+        stage: int | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
+    ) -> None:
+        known = ZeroConfig.option_names()
+        self.config = ZeroConfig.for_strategy(
+            type(self).__name__,
+            self.default_stage if type(self) is not ZeroStrategy else None,
+            {k: v for k, v in options.items() if k not in known},
+            peer="lightning.fabric.strategies.DDPStrategy",
+            stage=stage,
+            **{k: v for k, v in options.items() if k in known},
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _NoSync(self)
+        self._mode: Mode | None = None
+        self._module: nn.Module | None = None  # the module set up, whose parameters the optimizers update
+        self._hooks: list[RemovableHandle] = []
+        self._report_due = False  # whether the next optimizer step is the first, which logs the memory report
+
+    @property
+    def stage(self) -> Stage:
+        return self.config.stage
+
+    @property
+    def mode(self) -> Mode:
+        """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use."""
+        if self._mode is None:
+            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
+        return self._mode
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else zero_aware(Precision())
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = None if precision is None else zero_aware(precision)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
+            return super()._get_process_group_backend()
+        return backend_with_host(self._process_group_backend)
+
+    @override
+    def setup_environment(self) -> None:
+        device_type = self.root_device.type
+        if device_type not in _SUPPORTED_DEVICES:
+            raise ValueError(
+                f"{type(self).__name__} runs on {' and '.join(_SUPPORTED_DEVICES)}, not on `{device_type}`."
+                " HINT: pass `Fabric(accelerator='cpu')` or `accelerator='gpu'`."
+            )
+        super().setup_environment()
+        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
+            check_host_collectives()
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta device
+        and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
+        stack = ExitStack()
+        stack.enter_context(super().module_init_context(empty_init))
+        stack.enter_context(self.mode.init_context(empty_init is not False))
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing here: ``setup_module`` places the module as the mode trains it (stage 3 shards it first)."""
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards)."""
+        module = self.setup_module(module)
+        return module, self.mode.setup_optimizers(module, optimizers, self.precision), scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.mode.setup_module(module, self.root_device)
+        self._module = module
+        self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+        self._report_due = self.config.memory_report
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._module is None:
+            raise RuntimeError(
+                "The ZeRO strategies shard an optimizer along the parameters of its module."
+                " HINT: call `fabric.setup_module(model)` (or `fabric.setup(model, optimizer)`) first."
+            )
+        return self.mode.setup_optimizers(self._module, [optimizer], self.precision)[0]
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self.mode.before_step(module)
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """As Fabric's, except that the loss the precision plugin scales (the engine's loss scaling) is the one
+        that goes backward."""
+        self.mode.check_loss(tensor)
+        tensor = self.precision.pre_backward(tensor, module)
+        self.precision.backward(tensor, module, *args, **kwargs)
+        self.precision.post_backward(tensor, module)
+        self.mode.after_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The step as the mode runs it; the first one is followed by the memory report."""
+        output = self.mode.optimizer_step(optimizer, partial(super().optimizer_step, optimizer, **kwargs))
+        if self._report_due:
+            self._report_due = False
+            self._log_memory_report(optimizer)
+        return output
+
+    def _log_memory_report(self, optimizer: Optimizer) -> None:
+        if not self.is_global_zero or self._module is None:
+            return
+        report = memory_report(
+            self._module,
+            [optimizer],
+            strategy=f"zero{int(self.stage)}",
+            num_ranks=self.world_size,
+            num_nodes=self.num_nodes,
+            master_weights=self.config.master_weights,
+            engine=self.mode.engine,
+            offload=self.config.offload is not OffloadTarget.DEVICE,
+        )
+        log_info(report)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return self.mode.module_state(module)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self.mode.load_module_state(module, state_dict, strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self._module is not None
+        return self.mode.optimizer_state(optimizer, self._module)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Every rank writes its own shards into the directory ``path``, published atomically when complete: the same
+        directory the Trainer writes, which either front end resumes from, at any world size and stage."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} writes sharded checkpoint directories itself and takes no `storage_options`."
+                " HINT: drop `storage_options`; use `lightning_zero.consolidate_checkpoint` for a single file."
+            )
+        parts = FabricState.of(state)
+        module = parts.module(state)
+        checkpoint = parts.to_checkpoint(
+            state,
+            module_state=self.mode.module_state(module) if module is not None else {},
+            optimizer_states=[self.mode.optimizer_state(state[k], module) for k in parts.optimizers],
+            filter=filter or {},
+        )
+        target = Path(self.broadcast(str(path)))
+        named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
+        save_directory(checkpoint, named_like, target, self.global_rank, self.barrier)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint directory (this package's, written by either front end) or an ordinary file into the
+        objects of ``state``, in place; return what the checkpoint holds beyond them."""
+        if not isinstance(state, dict) or not state:
+            raise TypeError(
+                f"{type(self).__name__} loads a checkpoint into the objects of a `state` dict, got {state!r}."
+                " HINT: call `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; for the whole file,"
+                " consolidate the directory first (`python -m lightning_zero consolidate DIR FILE`)."
+            )
+        parts = FabricState.of(state)
+        module = parts.module(state)
+        if module is None:
+            raise TypeError(
+                "The ZeRO strategies load a checkpoint into the module it was saved from, and `state` holds none."
+                " HINT: pass the module set up with `fabric.setup` in `state` too."
+            )
+        source = Path(self.broadcast(str(path)))
+        if source.is_dir():
+            saved = parts.saved_optimizer_order(source)
+            optimizers = [state[k] for k in saved]
+            checkpoint = self.mode.load_directory(source, module, optimizers)
+        else:
+            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+            self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)
+            for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
+                self.mode.load_optimizer_state(state[key], optimizer_state)
+        return parts.restore_rest(state, checkpoint, strict)
+
+    @override
+    def teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.mode.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for strategy in (Zero1Strategy, Zero2Strategy, Zero3Strategy):
+            stage = int(strategy.default_stage)
+            strategy_registry.register(
+                f"zero{stage}",
+                strategy,
+                description=f"ZeRO stage {stage}: {strategy.__doc__.splitlines()[0]}",
+                override=True,
+            )
+        offloaded = {"offload_optimizer": True}
+        for name, strategy, options, where in (
+            ("zero2_offload", Zero2Strategy, offloaded, "optimizer state and step"),
+            ("zero3_offload", Zero3Strategy, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
+        ):
+            description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
+            strategy_registry.register(name, strategy, description=description, override=True, **options)
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the mode's no-sync (stage 1 accumulates locally, stage 2 keeps reducing into
+    its gradient shards, stage 3 keeps each unit's full gradient until the synchronised backward)."""
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy.mode.no_sync() if enabled else nullcontext()
+
+
+class Zero1Strategy(ZeroStrategy):
+    """Shards optimizer state; every rank keeps full parameters and full averaged gradients."""
+
+    default_stage = Stage.OPTIMIZER
+
+
+class Zero2Strategy(ZeroStrategy):
+    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced."""
+
+    default_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
+
+    default_stage = Stage.PARAMETERS

@@ -1,0 +1,36 @@
+"""The Trainer's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`)."""
+
+from __future__ import annotations
+
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+from lightning_zero._core.precision import ZeroPrecisionMixin
+from lightning_zero._core.precision import zero_aware as _zero_aware
+
+
+class ZeroPrecision(ZeroPrecisionMixin, Precision):
+    """``precision="32-true"``."""
+
+
+class ZeroMixedPrecision(ZeroPrecisionMixin, MixedPrecision):
+    """``precision="16-mixed"`` and ``"bf16-mixed"``."""
+
+
+class ZeroHalfPrecision(ZeroPrecisionMixin, HalfPrecision):
+    """``precision="16-true"`` and ``"bf16-true"``."""
+
+
+class ZeroDoublePrecision(ZeroPrecisionMixin, DoublePrecision):
+    """``precision="64-true"``."""
+
+
+_ZERO_AWARE: dict[type, type] = {
+    Precision: ZeroPrecision,
+    MixedPrecision: ZeroMixedPrecision,
+    HalfPrecision: ZeroHalfPrecision,
+    DoublePrecision: ZeroDoublePrecision,
+}
+
+
+def zero_aware(plugin: Precision) -> Precision:
+    return _zero_aware(plugin, _ZERO_AWARE, __name__)
