@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero._engine.loss_scaler import LossScaler
@@ -32,10 +32,10 @@ class ZeroPrecisionMixin:
             return optimizer.main_params()
         return super().main_params(optimizer)  # type: ignore[misc]
 
-    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
-        tensor = super().pre_backward(tensor, module)  # type: ignore[misc]
+    def scaled_loss(self, loss: Tensor) -> Tensor:
+        """The loss that goes backward: multiplied by the engine's scale when the engine scales it."""
         scaler = self.zero_loss_scaler
-        return tensor if scaler is None else tensor * scaler.scale
+        return loss if scaler is None else loss * scaler.scale
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()  # type: ignore[misc]

@@ -183,7 +183,8 @@ class ZeroStrategy(DDPStrategy):
         """As Fabric's, except that the loss the precision plugin scales (the engine's loss scaling) is the one
         that goes backward."""
         self.mode.check_loss(tensor)
-        tensor = self.precision.pre_backward(tensor, module)
+        self.precision.pre_backward(tensor, module)
+        tensor = self.precision.scaled_loss(tensor)  # type: ignore[attr-defined]
         self.precision.backward(tensor, module, *args, **kwargs)
         self.precision.post_backward(tensor, module)
         self.mode.after_backward()

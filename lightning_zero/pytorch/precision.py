@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
 
 from lightning_zero._core.precision import ZeroPrecisionMixin
 from lightning_zero._core.precision import zero_aware as _zero_aware
 
 
-class ZeroPrecision(ZeroPrecisionMixin, Precision):
+class _TrainerMixin(ZeroPrecisionMixin):
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:
+        return self.scaled_loss(super().pre_backward(tensor, module))  # type: ignore[misc]
+
+
+class ZeroPrecision(_TrainerMixin, Precision):
     """``precision="32-true"``."""
 
 
-class ZeroMixedPrecision(ZeroPrecisionMixin, MixedPrecision):
+class ZeroMixedPrecision(_TrainerMixin, MixedPrecision):
     """``precision="16-mixed"`` and ``"bf16-mixed"``."""
 
 
-class ZeroHalfPrecision(ZeroPrecisionMixin, HalfPrecision):
+class ZeroHalfPrecision(_TrainerMixin, HalfPrecision):
     """``precision="16-true"`` and ``"bf16-true"``."""
 
 
-class ZeroDoublePrecision(ZeroPrecisionMixin, DoublePrecision):
+class ZeroDoublePrecision(_TrainerMixin, DoublePrecision):
     """``precision="64-true"``."""
 
 
