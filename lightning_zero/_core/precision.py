@@ -51,6 +51,17 @@ class ZeroPrecisionMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
+def zero_aware_classes(mixin: type, bases: tuple[type, ...], module: str) -> dict[type, type]:
+    """The ZeRO-aware subclass of each of ``bases`` (Lightning's ``Precision``, ``MixedPrecision``, ...), ``mixin``
+    first: ``Zero`` and the base's name, defined in ``module`` (assign each to that name there, so that a plugin
+    pickles by reference)."""
+    classes = {}
+    for base in bases:
+        name = f"Zero{base.__name__}"
+        classes[base] = type(name, (mixin, base), {"__module__": module, "__qualname__": name})
+    return classes
+
+
 def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
     """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of its class's entry in
     ``classes`` (the ZeRO-aware subclass defined in module ``where``), with its settings kept."""

@@ -1,35 +1,18 @@
-"""Fabric's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`)."""
+"""Fabric's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): ``ZeroPrecision``
+(``precision="32-true"``), ``ZeroMixedPrecision`` (``"16-mixed"``, ``"bf16-mixed"``), ``ZeroHalfPrecision``
+(``"16-true"``, ``"bf16-true"``) and ``ZeroDoublePrecision`` (``"64-true"``). Fabric's strategy applies the loss
+scale itself (:meth:`~lightning_zero.fabric.strategy.ZeroStrategy.backward`)."""
 
 from __future__ import annotations
 
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
-from lightning_zero._core.precision import ZeroPrecisionMixin
+from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_classes
 from lightning_zero._core.precision import zero_aware as _zero_aware
 
-
-class ZeroPrecision(ZeroPrecisionMixin, Precision):
-    """``precision="32-true"``."""
-
-
-class ZeroMixedPrecision(ZeroPrecisionMixin, MixedPrecision):
-    """``precision="16-mixed"`` and ``"bf16-mixed"``."""
-
-
-class ZeroHalfPrecision(ZeroPrecisionMixin, HalfPrecision):
-    """``precision="16-true"`` and ``"bf16-true"``."""
-
-
-class ZeroDoublePrecision(ZeroPrecisionMixin, DoublePrecision):
-    """``precision="64-true"``."""
-
-
-_ZERO_AWARE: dict[type, type] = {
-    Precision: ZeroPrecision,
-    MixedPrecision: ZeroMixedPrecision,
-    HalfPrecision: ZeroHalfPrecision,
-    DoublePrecision: ZeroDoublePrecision,
-}
+_BASES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+_ZERO_AWARE = zero_aware_classes(ZeroPrecisionMixin, _BASES, __name__)
+ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision = _ZERO_AWARE.values()
 
 
 def zero_aware(plugin: Precision) -> Precision:

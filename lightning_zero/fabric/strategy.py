@@ -28,19 +28,14 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._core import Mode, choose_mode
-from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._config import ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState
 
-_SUPPORTED_DEVICES = ("cpu", "cuda")
 
-
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     """ZeRO data parallelism for a Fabric training loop.
 
     Stage 1 shards optimizer state across ranks; stage 2 also gradients; stage 3 also the parameters (torch's
@@ -56,8 +51,6 @@ class ZeroStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
         start_method: as for Fabric's ``DDPStrategy``.
     """
-
-    default_stage: Stage = Stage.GRADIENTS
 
     def __init__(
         self,
@@ -93,21 +86,8 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _NoSync(self)
-        self._mode: Mode | None = None
         self._module: nn.Module | None = None  # the module set up, whose parameters the optimizers update
         self._hooks: list[RemovableHandle] = []
-        self._report_due = False  # whether the next optimizer step is the first, which logs the memory report
-
-    @property
-    def stage(self) -> Stage:
-        return self.config.stage
-
-    @property
-    def mode(self) -> Mode:
-        """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use."""
-        if self._mode is None:
-            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
-        return self._mode
 
     @property
     @override
@@ -118,24 +98,6 @@ class ZeroStrategy(DDPStrategy):
     @override
     def precision(self, precision: Precision | None) -> None:
         self._precision = None if precision is None else zero_aware(precision)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
-            return super()._get_process_group_backend()
-        return backend_with_host(self._process_group_backend)
-
-    @override
-    def setup_environment(self) -> None:
-        device_type = self.root_device.type
-        if device_type not in _SUPPORTED_DEVICES:
-            raise ValueError(
-                f"{type(self).__name__} runs on {' and '.join(_SUPPORTED_DEVICES)}, not on `{device_type}`."
-                " HINT: pass `Fabric(accelerator='cpu')` or `accelerator='gpu'`."
-            )
-        super().setup_environment()
-        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
-            check_host_collectives()
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -192,26 +154,9 @@ class ZeroStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step as the mode runs it; the first one is followed by the memory report."""
-        output = self.mode.optimizer_step(optimizer, partial(super().optimizer_step, optimizer, **kwargs))
-        if self._report_due:
-            self._report_due = False
-            self._log_memory_report(optimizer)
-        return output
-
-    def _log_memory_report(self, optimizer: Optimizer) -> None:
-        if not self.is_global_zero or self._module is None:
-            return
-        report = memory_report(
-            self._module,
-            [optimizer],
-            strategy=f"zero{int(self.stage)}",
-            num_ranks=self.world_size,
-            num_nodes=self.num_nodes,
-            master_weights=self.config.master_weights,
-            engine=self.mode.engine,
-            offload=self.config.offload is not OffloadTarget.DEVICE,
-        )
-        log_info(report)
+        assert self._module is not None
+        step = partial(super().optimizer_step, optimizer, **kwargs)
+        return self._reported_step(optimizer, step, self._module, [optimizer])
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -299,21 +244,7 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for strategy in (Zero1Strategy, Zero2Strategy, Zero3Strategy):
-            stage = int(strategy.default_stage)
-            strategy_registry.register(
-                f"zero{stage}",
-                strategy,
-                description=f"ZeRO stage {stage}: {strategy.__doc__.splitlines()[0]}",
-                override=True,
-            )
-        offloaded = {"offload_optimizer": True}
-        for name, strategy, options, where in (
-            ("zero2_offload", Zero2Strategy, offloaded, "optimizer state and step"),
-            ("zero3_offload", Zero3Strategy, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
-        ):
-            description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
-            strategy_registry.register(name, strategy, description=description, override=True, **options)
+        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
 
 
 class _NoSync(_BackwardSyncControl):
@@ -328,19 +259,4 @@ class _NoSync(_BackwardSyncControl):
         return self._strategy.mode.no_sync() if enabled else nullcontext()
 
 
-class Zero1Strategy(ZeroStrategy):
-    """Shards optimizer state; every rank keeps full parameters and full averaged gradients."""
-
-    default_stage = Stage.OPTIMIZER
-
-
-class Zero2Strategy(ZeroStrategy):
-    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced."""
-
-    default_stage = Stage.GRADIENTS
-
-
-class Zero3Strategy(ZeroStrategy):
-    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
-
-    default_stage = Stage.PARAMETERS
+Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)

@@ -1,4 +1,6 @@
-"""The Trainer's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`)."""
+"""The Trainer's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): ``ZeroPrecision``
+(``precision="32-true"``), ``ZeroMixedPrecision`` (``"16-mixed"``, ``"bf16-mixed"``), ``ZeroHalfPrecision``
+(``"16-true"``, ``"bf16-true"``) and ``ZeroDoublePrecision`` (``"64-true"``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 
-from lightning_zero._core.precision import ZeroPrecisionMixin
+from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_classes
 from lightning_zero._core.precision import zero_aware as _zero_aware
 
 
@@ -15,28 +17,9 @@ class _TrainerMixin(ZeroPrecisionMixin):
         return self.scaled_loss(super().pre_backward(tensor, module))  # type: ignore[misc]
 
 
-class ZeroPrecision(_TrainerMixin, Precision):
-    """``precision="32-true"``."""
-
-
-class ZeroMixedPrecision(_TrainerMixin, MixedPrecision):
-    """``precision="16-mixed"`` and ``"bf16-mixed"``."""
-
-
-class ZeroHalfPrecision(_TrainerMixin, HalfPrecision):
-    """``precision="16-true"`` and ``"bf16-true"``."""
-
-
-class ZeroDoublePrecision(_TrainerMixin, DoublePrecision):
-    """``precision="64-true"``."""
-
-
-_ZERO_AWARE: dict[type, type] = {
-    Precision: ZeroPrecision,
-    MixedPrecision: ZeroMixedPrecision,
-    HalfPrecision: ZeroHalfPrecision,
-    DoublePrecision: ZeroDoublePrecision,
-}
+_BASES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+_ZERO_AWARE = zero_aware_classes(_TrainerMixin, _BASES, __name__)
+ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision = _ZERO_AWARE.values()
 
 
 def zero_aware(plugin: Precision) -> Precision:

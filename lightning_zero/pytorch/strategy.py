@@ -28,19 +28,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import ModuleOption, Stage, ZeroConfig
-from lightning_zero._core import Mode, choose_mode
-from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._config import ModuleOption, ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
-_SUPPORTED_DEVICES = ("cpu", "cuda")
 
-
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     """ZeRO data parallelism for any LightningModule, with no change to its code.
 
     Stage 1 shards optimizer state across ranks; stage 2 also shards gradients. Outside the optimizer step every
@@ -78,8 +73,6 @@ class ZeroStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
-
-    default_stage: Stage = Stage.GRADIENTS
 
     def __init__(
         self,
@@ -134,26 +127,6 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._mode: Mode | None = None
-        self._report_due = False  # whether the next optimizer step is the first of a `fit` that logs the report
-
-    @property
-    def stage(self) -> Stage:
-        return self.config.stage
-
-    @property
-    def mode(self) -> Mode:
-        """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
-        is known."""
-        if self._mode is None:
-            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
-        return self._mode
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
-            return super()._get_process_group_backend()
-        return backend_with_host(self._process_group_backend)
 
     @property
     @override
@@ -174,18 +147,6 @@ class ZeroStrategy(DDPStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:  # notebooks: the main process gets the trained weights back, whole under every stage
             self._launcher = FullWeightsLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        device_type = self.root_device.type
-        if device_type not in _SUPPORTED_DEVICES:
-            raise ValueError(
-                f"{type(self).__name__} runs on {' and '.join(_SUPPORTED_DEVICES)}, not on `{device_type}`."
-                " HINT: pass `Trainer(accelerator='cpu')` or `accelerator='gpu'`."
-            )
-        super().setup_environment()
-        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
-            check_host_collectives()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -219,29 +180,9 @@ class ZeroStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """The step as the mode runs it; the first step of a ``fit`` is followed by the memory report."""
-        step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-        output = self.mode.optimizer_step(optimizer, step)
-        if self._report_due:
-            self._report_due = False
-            self._log_memory_report()
-        return output
-
-    def _log_memory_report(self) -> None:
-        """Rank 0's model state beside the estimate; other ranks measure nothing (no collective is involved)."""
-        if not self.is_global_zero:
-            return
         assert self.lightning_module is not None
-        report = memory_report(
-            self.lightning_module,
-            self.optimizers,
-            strategy=f"zero{int(self.stage)}",
-            num_ranks=self.world_size,
-            num_nodes=self.num_nodes,
-            master_weights=self.config.master_weights,
-            engine=self.mode.engine,
-            offload=self.config.offload is not OffloadTarget.DEVICE,
-        )
-        log_info(report)
+        step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        return self._reported_step(optimizer, step, self.lightning_module, self.optimizers)
 
     @contextmanager
     @override
@@ -423,36 +364,7 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for strategy in (Zero1Strategy, Zero2Strategy, Zero3Strategy):
-            stage = int(strategy.default_stage)
-            strategy_registry.register(
-                f"zero{stage}",
-                strategy,
-                description=f"ZeRO stage {stage}: {strategy.__doc__.splitlines()[0]}",
-                override=True,
-            )
-        offloaded = {"offload_optimizer": True}
-        for name, strategy, options, where in (
-            ("zero2_offload", Zero2Strategy, offloaded, "optimizer state and step"),
-            ("zero3_offload", Zero3Strategy, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
-        ):
-            description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
-            strategy_registry.register(name, strategy, description=description, override=True, **options)
+        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
 
 
-class Zero1Strategy(ZeroStrategy):
-    """Shards optimizer state; every rank keeps full parameters and full averaged gradients."""
-
-    default_stage = Stage.OPTIMIZER
-
-
-class Zero2Strategy(ZeroStrategy):
-    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced."""
-
-    default_stage = Stage.GRADIENTS
-
-
-class Zero3Strategy(ZeroStrategy):
-    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use."""
-
-    default_stage = Stage.PARAMETERS
+Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)

@@ -1,0 +1,124 @@
+"""What the strategies of both front ends share: the options, the mode, the process group, the memory report, and
+the names they are registered under."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero._config import Stage, ZeroConfig
+from lightning_zero._core import Mode, choose_mode
+from lightning_zero._core.report import log_info, memory_report
+from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
+from lightning_zero._offload.target import OffloadTarget
+
+_SUPPORTED_DEVICES = ("cpu", "cuda")
+Strategy = TypeVar("Strategy", bound=type)
+
+
+class ZeroFrontEnd:
+    """Placed before each front end's Lightning ``DDPStrategy`` (whose attributes it uses): the ZeRO options
+    (``config``), the mode they choose, and the steps both front ends take alike."""
+
+    default_stage: ClassVar[Stage] = Stage.GRADIENTS  # the stage of ``ZeroStrategy``; ``Zero{N}Strategy`` fix theirs
+    config: ZeroConfig
+    _mode: Mode | None = None
+    _report_due = False  # whether the next optimizer step is the first of a run, which logs the memory report
+    # given by the front end's ``DDPStrategy``
+    root_device: torch.device
+    num_nodes: int
+    num_processes: int
+    world_size: int
+    is_global_zero: bool
+    _process_group_backend: str | None
+
+    @property
+    def stage(self) -> Stage:
+        return self.config.stage
+
+    @property
+    def mode(self) -> Mode:
+        """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
+        is known."""
+        if self._mode is None:
+            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
+        return self._mode
+
+    def _get_process_group_backend(self) -> str:
+        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
+            return super()._get_process_group_backend()  # type: ignore[misc]
+        return backend_with_host(self._process_group_backend)
+
+    def setup_environment(self) -> None:
+        device_type = self.root_device.type
+        if device_type not in _SUPPORTED_DEVICES:
+            raise ValueError(
+                f"{type(self).__name__} runs on {' and '.join(_SUPPORTED_DEVICES)}, not on `{device_type}`."
+                " HINT: pass `accelerator='cpu'` or `accelerator='gpu'`."
+            )
+        super().setup_environment()  # type: ignore[misc]
+        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
+            check_host_collectives()
+
+    def _reported_step(
+        self, optimizer: Optimizer, step: Callable[[], Any], module: nn.Module, optimizers: Iterable[Optimizer]
+    ) -> Any:
+        """The optimizer step as the mode runs it; the first one of a run is followed by the memory report: rank 0's
+        model state beside the estimate (other ranks measure nothing; no collective is involved)."""
+        output = self.mode.optimizer_step(optimizer, step)
+        if self._report_due:
+            self._report_due = False
+            if self.is_global_zero:
+                report = memory_report(
+                    module,
+                    optimizers,
+                    strategy=f"zero{int(self.stage)}",
+                    num_ranks=self.world_size,
+                    num_nodes=self.num_nodes,
+                    master_weights=self.config.master_weights,
+                    engine=self.mode.engine,
+                    offload=self.config.offload is not OffloadTarget.DEVICE,
+                )
+                log_info(report)
+        return output
+
+
+def with_fixed_stages(base: Strategy) -> tuple[Strategy, Strategy, Strategy]:
+    """``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` of a front end: its ``ZeroStrategy`` with the
+    stage fixed, defined in ``base``'s module (assign them to those names there, so that they pickle by reference)."""
+    summaries = {
+        Stage.OPTIMIZER: "Shards optimizer state; every rank keeps full parameters and full averaged gradients.",
+        Stage.GRADIENTS: "Shards optimizer state and gradients; full gradients are freed as soon as their bucket is"
+        " reduced.",
+        Stage.PARAMETERS: "Shards optimizer state, gradients and parameters; each unit's parameters are gathered only"
+        " around its use.",
+    }
+    classes = []
+    for stage, summary in summaries.items():
+        name = f"Zero{int(stage)}Strategy"
+        attributes = {"default_stage": stage, "__doc__": summary, "__module__": base.__module__, "__qualname__": name}
+        classes.append(type(name, (base,), attributes))
+    return tuple(classes)  # type: ignore[return-value]
+
+
+def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]) -> None:
+    """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and ``"zero3_offload"`` for a front end's
+    ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
+    for strategy in classes:
+        stage = int(strategy.default_stage)
+        registry.register(
+            f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {strategy.__doc__}", override=True
+        )
+    _, zero2, zero3 = classes
+    offloaded = {"offload_optimizer": True}
+    for name, strategy, options, where in (
+        ("zero2_offload", zero2, offloaded, "optimizer state and step"),
+        ("zero3_offload", zero3, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
+    ):
+        description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
+        registry.register(name, strategy, description=description, override=True, **options)
