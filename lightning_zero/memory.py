@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_zero._transport import shared_memory
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -67,3 +69,10 @@ def engine_of(strategy: object) -> object | None:
     """The stage 1/2 engine of a ZeRO strategy (its buffers count as gradients), ``None`` for any other strategy or
     stage, or before training."""
     return getattr(getattr(strategy, "mode", None), "engine", None)
+
+
+def communication_bytes(engine: object | None = None) -> int:
+    """Bytes this process keeps for communication between steps: the stage 1/2 engine's reusable bucket buffers
+    and the shared memory mapped for the collectives of CPU ranks on one host (segments, stage 3's gather ring)."""
+    pool = engine.pool.nbytes() if engine is not None else 0  # type: ignore[attr-defined]
+    return pool + shared_memory.mapped_bytes()

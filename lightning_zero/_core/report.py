@@ -18,15 +18,18 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lightning_zero._engine.optimizer import ZeroOptimizer
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
-from lightning_zero.memory import ModelStateBytes, measure
+from lightning_zero.memory import ModelStateBytes, communication_bytes, measure
 
 _PRECISION_OF_ITEMSIZE = {2: "bf16-true", 4: "32-true", 8: "64-true"}  # the bytes are all the estimate needs
 
 
-def format_report(measured: ModelStateBytes, expected: MemoryEstimate, *, title: str) -> str:
+def format_report(
+    measured: ModelStateBytes, expected: MemoryEstimate, *, title: str, communication: int | None = None
+) -> str:
     """A markdown table of ``measured`` beside ``expected.per_rank`` by category, under ``title``, with a note for
     each category that is still empty because it is created later (gradients in backward, optimizer state at the
-    first step)."""
+    first step). ``communication``: the bytes of the communication buffers held between steps; where there are
+    any, a row of their own below the model state (the paper's formulas do not count them), and the total held."""
     planned = expected.per_rank
     rows = [
         ("parameters", measured.parameters, planned.parameters),
@@ -37,6 +40,9 @@ def format_report(measured: ModelStateBytes, expected: MemoryEstimate, *, title:
     ]
     lines = [title, "", "| model state per rank | measured | estimate |", "|---|---|---|"]
     lines += [f"| {name} | {format_bytes(got)} | {format_bytes(want)} |" for name, got, want in rows]
+    if communication:
+        lines.append(f"| communication buffers | {format_bytes(communication)} | not model state |")
+        lines.append(f"| held in all | {format_bytes(measured.total + communication)} | |")
     notes = []
     if measured.gradients == 0 < planned.gradients:
         notes.append("Gradients are created in the first backward.")
@@ -84,7 +90,8 @@ def memory_report(
     assumed = "" if kind is not None else ", optimizer state estimated as Adam's"
     ranks = f"{num_ranks} rank{'s' if num_ranks > 1 else ''}"
     title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{assumed}:"
-    report = format_report(measure(module, optimizers, engine), expected, title=title)
+    held = measure(module, optimizers, engine)
+    report = format_report(held, expected, title=title, communication=communication_bytes(engine))
     if offload:
         report += (
             "\n\nOffloaded to host memory: optimizer state and master weights (stages 1 and 2 keep a host copy of"

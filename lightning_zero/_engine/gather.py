@@ -40,7 +40,7 @@ class ParamGatherer:
     def gather(self, only: set[int] | None = None) -> None:
         """All-gather the buckets holding a shard whose ``id`` is in ``only`` (every bucket when ``None``)."""
         todo = [b for b in self.buckets if only is None or any(id(s.shard) in only for s in b.params)]
-        in_flight: deque[tuple[GatherBucket, torch.Tensor, torch.Tensor, comm.Pending]] = deque()
+        in_flight: deque[tuple[GatherBucket, torch.Tensor, comm.Pending]] = deque()
         for bucket in todo:
             if len(in_flight) == _IN_FLIGHT:
                 self._unpack(*in_flight.popleft())
@@ -48,17 +48,19 @@ class ParamGatherer:
         while in_flight:
             self._unpack(*in_flight.popleft())
 
-    def _launch(self, bucket: GatherBucket) -> tuple[GatherBucket, torch.Tensor, torch.Tensor, comm.Pending]:
+    def _launch(self, bucket: GatherBucket) -> tuple[GatherBucket, torch.Tensor, comm.Pending]:
+        """This rank's shards go straight into their chunk of the output: the all-gather runs in place, with no
+        buffer of their own."""
         layout = bucket.layout
-        chunk = self.pool.acquire(layout.chunk_numel, bucket.dtype, bucket.device)
+        gathered = self.pool.acquire(layout.numel, bucket.dtype, bucket.device)
+        chunk = layout.chunks(gathered)[self.rank]
         torch._foreach_copy_(
             [layout.region(chunk, i, self.rank) for i in range(len(bucket.params))],
             [s.local for s in bucket.params],
         )
-        gathered = self.pool.acquire(layout.numel, bucket.dtype, bucket.device)
-        return bucket, chunk, gathered, comm.all_gather(gathered, chunk, self.group)
+        return bucket, gathered, comm.all_gather(gathered, chunk, self.group)
 
-    def _unpack(self, bucket: GatherBucket, chunk: torch.Tensor, gathered: torch.Tensor, work: comm.Pending) -> None:
+    def _unpack(self, bucket: GatherBucket, gathered: torch.Tensor, work: comm.Pending) -> None:
         work.wait()
         layout = bucket.layout
         chunks = layout.chunks(gathered)
@@ -70,5 +72,4 @@ class ParamGatherer:
                 targets.append(sharded.spec.take(sharded.param.detach(), rank))
                 sources.append(layout.region(chunks[rank], index, rank))
         torch._foreach_copy_(targets, sources)
-        self.pool.release(chunk)
         self.pool.release(gathered)

@@ -14,10 +14,9 @@ class BufferPool:
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free.setdefault((dtype, device), [])
-        for i, buffer in enumerate(free):
-            if buffer.numel() >= numel:
-                del free[i]
-                break
+        fitting = [i for i, b in enumerate(free) if b.numel() >= numel]
+        if fitting:  # the smallest that fits: a large buffer stays free for a large request
+            buffer = free.pop(min(fitting, key=lambda i: free[i].numel()))
         else:
             buffer = torch.empty(numel, dtype=dtype, device=device)
         view = buffer[:numel]

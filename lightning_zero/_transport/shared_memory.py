@@ -65,6 +65,11 @@ def _wanted_here() -> bool:
     return supported and os.environ.get(_DISABLE, "0") != "1"
 
 
+def mapped_bytes() -> int:
+    """Bytes of shared memory this process has mapped for its channels: every rank's segment and the gather ring."""
+    return sum(c.mapped_bytes for c in _CHANNELS.values() if c is not None)
+
+
 def close_all() -> None:
     """Unmap every channel (at exit, before the process group goes)."""
     for opened in _CHANNELS.values():
@@ -209,6 +214,11 @@ class Channel:
     def all_reduce_sum(self, buffer: torch.Tensor) -> InFlight:
         """``buffer`` becomes the sum over ranks, added in rank order, so bit-identical on every rank."""
         return self._start(self._all_reduce(buffer.view(-1)))
+
+    @property
+    def mapped_bytes(self) -> int:
+        ring = 0 if self._ring is None else RING_SIZE * self._ring.buffer_bytes
+        return sum(len(m) for m in self._maps) + ring
 
     def close(self) -> None:
         self._slots, self._slot_views, self._ring = [], {}, None
