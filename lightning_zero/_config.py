@@ -74,6 +74,12 @@ class ZeroConfig:
     """Log, on rank 0 right after the first optimizer step of each ``fit``, this rank's measured model-state bytes
     beside the ZeRO paper's estimate for the same stage, ranks and precision."""
 
+    sharded_on_one_device: bool = False
+    """For testing: run the ZeRO machinery (buckets and collectives, optimizer shards, ``fully_shard``) on a single
+    device too, as a group of one rank, where every stage otherwise trains plainly. Results equal plain training's;
+    it proves that the sharded code paths run on the device and its backend (NCCL on a GPU), not the communication
+    between several ranks."""
+
     @classmethod
     def option_names(cls) -> list[str]:
         """The names of the ZeRO options, ``stage`` first."""
@@ -123,6 +129,7 @@ class ZeroConfig:
         offload_dir: object = None,
         pin_memory: object = True,
         memory_report: object = True,
+        sharded_on_one_device: object = False,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
@@ -156,6 +163,8 @@ class ZeroConfig:
                 f"`memory_report={memory_report!r}` must be True or False. HINT: `memory_report=False` turns the"
                 " report off."
             )
+        if not isinstance(sharded_on_one_device, bool):
+            raise ValueError(f"`sharded_on_one_device={sharded_on_one_device!r}` must be True or False.")
         dtype = _resolve_dtype(reduce_dtype)
         if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
@@ -199,6 +208,7 @@ class ZeroConfig:
             offload_dir=directory,
             pin_memory=pin_memory,
             memory_report=memory_report,
+            sharded_on_one_device=sharded_on_one_device,
         )
 
     @property

@@ -11,8 +11,9 @@ __all__ = ["EngineMode", "FullyShardMode", "Mode", "PlainMode", "choose_mode"]
 
 
 def choose_mode(config: ZeroConfig, num_ranks: int) -> Mode:
-    """The mode of a run on ``num_ranks`` ranks: on one device nothing is sharded unless it offloads."""
-    if num_ranks == 1 and config.offload is OffloadTarget.DEVICE:
+    """The mode of a run on ``num_ranks`` ranks: on one device nothing is sharded unless it offloads (or the options
+    ask for the sharded path there, for testing)."""
+    if num_ranks == 1 and config.offload is OffloadTarget.DEVICE and not config.sharded_on_one_device:
         return PlainMode(config)
     if config.stage is Stage.PARAMETERS:
         return FullyShardMode(config)

@@ -70,6 +70,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             the first optimizer step, the first moment at which gradients and optimizer state all exist (with several
             optimizers, only the one that stepped has state then), through Lightning's logging
             (``rank_zero_info``, logger ``lightning.pytorch``).
+        sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
+            where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -89,6 +91,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         offload_dir: str | Path | None = None,
         pin_memory: bool = True,
         memory_report: bool = True,
+        sharded_on_one_device: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -116,6 +119,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             offload_dir=offload_dir,
             pin_memory=pin_memory,
             memory_report=memory_report,
+            sharded_on_one_device=sharded_on_one_device,
         )
         super().__init__(
             accelerator=accelerator,

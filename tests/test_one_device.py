@@ -1,0 +1,123 @@
+"""Every stage's sharded path on one device (``sharded_on_one_device=True``: a group of one rank), against ``"ddp"``
+on the same device: on the CPU always (gloo), and on a CUDA GPU where there is one (NCCL with one rank, the engine's
+buckets, streams and collectives on CUDA tensors, ``fully_shard`` on a CUDA mesh).
+
+What this proves about several GPUs: the code that runs per rank (bucketing, staging, the reduce-scatter/all-gather
+calls and their outputs, optimizer shards, DTensor placements, checkpoints) runs on the device and its backend and
+gives DDP's numbers. What it cannot prove: communication between ranks (a one-rank collective moves nothing), which
+tests/test_parity.py and tests/test_zero3.py prove on several CPU processes.
+
+Tolerances: with one rank nothing is reduced in another order, so fp32 runs differ from DDP only by kernel choices
+(the sharded optimizer runs multi-tensor kernels on shards), the parity tolerance of tests/test_parity.py; the
+ZeRO mixed-precision runs (bf16 module, fp32 masters) are held to fp32 DDP within bf16 rounding, as in
+tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_zero import ZeroStrategy
+from lightning_zero._core import EngineMode, FullyShardMode
+from tests.test_parity import close
+from tests.workers.modules import Classifier
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+STAGES = [1, 2, 3]
+
+
+def train(device: str, strategy: Any, steps: int = 6, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
+    if dist.is_initialized():  # each run starts its own process group
+        dist.destroy_process_group()
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+    trainer.fit(Classifier(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def sharded(stage: int, **options: Any) -> ZeroStrategy:
+    return ZeroStrategy(stage=stage, sharded_on_one_device=True, **options)
+
+
+def weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    state = trainer.lightning_module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu() for k, v in state.items()}
+
+
+def assert_same(
+    actual: pl.Trainer, expected: pl.Trainer, what: str, rtol: float | None = None, atol: float = 0
+) -> None:
+    losses = torch.tensor(actual.lightning_module.losses), torch.tensor(expected.lightning_module.losses)
+    want = weights(expected)
+    if rtol is None:
+        close(*losses, f"{what} loss")
+        for key, value in weights(actual).items():
+            close(value, want[key], f"{what} {key}")
+        return
+    for key, value in weights(actual).items():
+        torch.testing.assert_close(value, want[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{what} {k}: {m}")
+
+
+def assert_sharded_path(trainer: pl.Trainer, stage: int, device: str) -> None:
+    """The run went through the ZeRO machinery on the device, not plain training."""
+    mode = trainer.strategy.mode
+    if stage == 3:
+        assert isinstance(mode, FullyShardMode)
+        assert all(isinstance(p, DTensor) for p in trainer.lightning_module.parameters() if p.dim() > 0)
+    else:
+        assert isinstance(mode, EngineMode) and mode.engine is not None and mode.engine.reducer.buckets
+        assert all(b.device.type == device for b in mode.engine.reducer.buckets)
+    assert dist.get_backend() == ("nccl" if device == "cuda" else "gloo")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_matches_ddp(device: str, precision: str, stage: int) -> None:
+    reference = train(device, "ddp", precision=precision)
+    trainer = train(device, sharded(stage), precision=precision)
+    assert_sharded_path(trainer, stage, device)
+    assert_same(trainer, reference, f"zero{stage} {precision} on {device}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp32_masters_of_a_bf16_module(device: str, stage: int) -> None:
+    """ZeRO mixed precision: bf16 parameters on the wire, fp32 master shards stepped by the optimizer; follows fp32
+    DDP within bf16 rounding (Adam moves a noise-gradient element by up to ``lr`` = 1e-2 a step)."""
+    reference = train(device, "ddp", steps=3)
+    trainer = train(device, sharded(stage, master_weights=True), steps=3, precision="bf16-true")
+    assert_sharded_path(trainer, stage, device)
+    assert_same(trainer, reference, f"zero{stage} masters on {device}", rtol=2e-2, atol=3.5e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_clipping_and_accumulation(device: str, stage: int) -> None:
+    options = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+    reference = train(device, "ddp", **options)
+    trainer = train(device, sharded(stage), **options)
+    assert_same(trainer, reference, f"zero{stage} clipped, accumulated on {device}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_checkpoint_round_trip(device: str, stage: int, tmp_path: Path) -> None:
+    """Save the sharded run at step 6, resume it in a fresh Trainer to step 10: as DDP doing the same."""
+    results = {}
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero", lambda: sharded(stage))):
+        path = tmp_path / f"{name}.ckpt"
+        train(device, strategy(), steps=6).save_checkpoint(path)
+        results[name] = train(device, strategy(), steps=10, ckpt_path=path)
+    assert (tmp_path / "zero.ckpt").is_dir()
+    assert_same(results["zero"], results["ddp"], f"zero{stage} resumed on {device}")
