@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 from lightning_zero._transport import shared_memory
+from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -22,6 +23,7 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
+    TRAFFIC.record("all_reduce", buffer.nbytes)
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
         shared = _shared(buffer, group)
         if shared is not None:
@@ -61,6 +63,7 @@ def _shared(tensor: torch.Tensor, group: ProcessGroup) -> shared_memory.Channel 
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     """``output`` (one chunk) receives the sum over ranks of this rank's chunk of ``buffer`` (``world_size`` chunks)."""
+    TRAFFIC.record("reduce_scatter", buffer.nbytes)
     with torch.profiler.record_function("lightning_zero::reduce_scatter_grads"):
         if not _point_to_point(group):
             return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -94,6 +97,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
     """``output`` (``world_size`` chunks) receives every rank's ``chunk`` in rank order."""
+    TRAFFIC.record("all_gather", output.nbytes)
     with torch.profiler.record_function("lightning_zero::all_gather_params"):
         if not _point_to_point(group):
             return _all_gather(output, chunk, group=group, async_op=True)
@@ -120,6 +124,7 @@ def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    TRAFFIC.record("broadcast", sum(t.nbytes for t in tensors))
     with torch.profiler.record_function("lightning_zero::broadcast_buffers"):
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in same_dtype])
