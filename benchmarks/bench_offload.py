@@ -44,12 +44,11 @@ def _layers(num_params: float, width: int = 1024) -> nn.Module:
 
 def _zero_host_optimizer(module: nn.Module) -> Any:
     """The engine of one offloaded rank (stage 2) with its wrapped Adam, gradients set on the host shards."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from lightning_zero._engine.engine import EnginePrecision, ZeroEngine
     from lightning_zero._engine.reducers import ReduceScatterReducer
+    from lightning_zero._transport.mesh import data_parallel_mesh
 
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = data_parallel_mesh("cpu", 1)
     engine = ZeroEngine(module, ReduceScatterReducer, mesh, 25 * 2**20, EnginePrecision(host=True))
     optimizer = engine.shard_optimizer(torch.optim.Adam(module.parameters(), lr=1e-4))
     for sharded in engine.sharded:

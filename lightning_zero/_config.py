@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -74,6 +74,12 @@ class ZeroConfig:
     """Log, on rank 0 right after the first optimizer step of each ``fit``, this rank's measured model-state bytes
     beside the ZeRO paper's estimate for the same stage, ranks and precision."""
 
+    shard_group_size: int | Literal["node"] | None = None
+    """Hybrid sharding: model states are sharded within groups of this many consecutive ranks (``"node"``: the ranks
+    of one node) and replicated across the groups; gradients are reduce-scattered within a group, then each shard is
+    all-reduced across the groups, and parameters are gathered within a group only. ``None``: one group of every rank
+    (full sharding). Per-rank bytes then follow the group size, not the number of ranks."""
+
     sharded_on_one_device: bool = False
     """For testing: run the ZeRO machinery (buckets and collectives, optimizer shards, ``fully_shard``) on a single
     device too, as a group of one rank, where every stage otherwise trains plainly. Results equal plain training's;
@@ -129,6 +135,7 @@ class ZeroConfig:
         offload_dir: object = None,
         pin_memory: object = True,
         memory_report: object = True,
+        shard_group_size: object = None,
         sharded_on_one_device: object = False,
     ) -> ZeroConfig:
         valid = [s.value for s in Stage]
@@ -162,6 +169,13 @@ class ZeroConfig:
             raise ValueError(
                 f"`memory_report={memory_report!r}` must be True or False. HINT: `memory_report=False` turns the"
                 " report off."
+            )
+        if shard_group_size not in (None, "node") and (
+            isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
+        ):
+            raise ValueError(
+                f"`shard_group_size={shard_group_size!r}` is not a group size. HINT: pass a positive number of ranks"
+                " that divides the number of ranks, 'node' for one shard group per node, or None to shard across all."
             )
         if not isinstance(sharded_on_one_device, bool):
             raise ValueError(f"`sharded_on_one_device={sharded_on_one_device!r}` must be True or False.")
@@ -208,6 +222,7 @@ class ZeroConfig:
             offload_dir=directory,
             pin_memory=pin_memory,
             memory_report=memory_report,
+            shard_group_size=shard_group_size,
             sharded_on_one_device=sharded_on_one_device,
         )
 

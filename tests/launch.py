@@ -21,10 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, args: list[str], world_size: int, timeout: float = 600) -> None:
-    """Run ``python -m module *args`` in ``world_size`` processes; raise with their output if any fails."""
+def launch(module: str, args: list[str], world_size: int, timeout: float = 600, nodes: int = 1) -> None:
+    """Run ``python -m module *args`` in ``world_size`` processes, as ``nodes`` nodes of equal size (simulated on this
+    host); raise with their output if any fails."""
     port = free_port()
     procs = []
+    per_node = world_size // nodes
     for rank in range(world_size):
         env = dict(
             os.environ,
@@ -32,8 +34,8 @@ def launch(module: str, args: list[str], world_size: int, timeout: float = 600) 
             MASTER_PORT=str(port),
             WORLD_SIZE=str(world_size),
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
+            LOCAL_RANK=str(rank % per_node),
+            NODE_RANK=str(rank // per_node),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
         )

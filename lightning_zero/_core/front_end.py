@@ -46,7 +46,7 @@ class ZeroFrontEnd:
         """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
         is known."""
         if self._mode is None:
-            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes)
+            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes, self.num_processes)
         return self._mode
 
     def _get_process_group_backend(self) -> str:

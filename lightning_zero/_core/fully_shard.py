@@ -63,14 +63,14 @@ class FullyShardMode(Mode):
         # not other module state (torchmetrics' metric states), and then offloads the shards itself.
         module._apply(lambda t: t if t.is_meta else t.to(self.device))
         mesh = self._mesh()
-        sync_from_rank_zero(module, mesh.get_group(), skip=meta)  # meta ones are drawn from rank 0's generator
+        sync_from_rank_zero(module, mesh.world, skip=meta)  # meta ones are drawn from rank 0's generator
         units = choose_units(module, self.config.auto_wrap_policy)
         precision = precision_policy(self.config, module)
         if precision is not None and precision.param_dtype is not None:
             masters_in_fp32(module)
         offload = offload_policy(self.config, self.device)
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)
-        materialize(module, resets, self.device, self.sharded.group, shards_on_host=offload is not None)
+        materialize(module, resets, self.device, mesh, shards_on_host=offload is not None)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""

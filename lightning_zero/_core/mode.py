@@ -29,7 +29,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 
@@ -40,6 +39,8 @@ from lightning_zero._engine.optimizer import as_set_up, check_configured, unwrap
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
+from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
 
 
@@ -50,8 +51,9 @@ class Mode:
     #: manages their parameters, and swapping the layers back would leave the parameters on modules it no longer sees)
     keeps_sync_batchnorm: ClassVar[bool] = False
 
-    def __init__(self, config: ZeroConfig) -> None:
+    def __init__(self, config: ZeroConfig, ranks_per_node: int = 1) -> None:
         self.config = config
+        self.ranks_per_node = ranks_per_node  # for ``shard_group_size="node"``
         self.device = torch.device("cpu")  # set by ``setup_module``
         self.engine: ZeroEngine | None = None  # stages 1 and 2, once the optimizers are set up
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
@@ -66,6 +68,7 @@ class Mode:
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         """Before the optimizers exist: activation checkpointing, then the module's place on ``device``."""
         self.device = device
+        TRAFFIC.ranks_per_node = self.ranks_per_node
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.config.activation_checkpointing)
         self._place(module)
@@ -183,10 +186,10 @@ class Mode:
             self._disk.close()
             self._disk = None
 
-    def _mesh(self) -> DeviceMesh:
-        """The data-parallel mesh over every rank."""
-        return init_device_mesh(self.device.type, (dist.get_world_size(),))
-
+    def _mesh(self) -> DataParallelMesh:
+        """The shard groups of this run (collective on first use)."""
+        size = shard_group_size(self.config.shard_group_size, dist.get_world_size(), self.ranks_per_node)
+        return data_parallel_mesh(self.device.type, size)
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights

@@ -21,6 +21,7 @@ from lightning_zero._engine.reducers import GradientReducer
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport.mesh import DataParallelMesh
 
 
 @dataclass(frozen=True)
@@ -110,22 +111,23 @@ class ZeroEngine:
         self,
         module: nn.Module,
         reducer_cls: type[GradientReducer],
-        mesh: DeviceMesh,
+        mesh: DataParallelMesh,
         bucket_bytes: int,
         precision: EnginePrecision | None = None,
     ) -> None:
-        self.group: ProcessGroup = mesh.get_group()
-        world_size = self.group.size()
+        self.group: ProcessGroup = mesh.shard_group
+        shard_size = self.group.size()
         precision = precision or EnginePrecision()
         trainable = [p for p in module.parameters() if p.requires_grad]  # module.parameters() dedups tied weights
-        self.sharded = [ShardedParam(p, ShardSpec(p.shape, world_size), mesh) for p in trainable]
+        self.sharded = [ShardedParam(p, ShardSpec(p.shape, shard_size), mesh.shard) for p in trainable]
         self.host = precision.host
-        _give_masters(self.sharded, precision, mesh)
+        _give_masters(self.sharded, precision, mesh.shard)
         self.by_param = {id(s.param): s for s in self.sharded}
         buckets = assign_buckets(self.sharded, bucket_bytes)
         self.pool = BufferPool()
+        # the shard group sees every shard; replicas hold the same reduced gradients, so they vote alike
         self.scaler = LossScaler(self.group) if precision.loss_scaling else None
-        self.reducer = reducer_cls(buckets, self.group, self.pool, precision.reduce_dtype, self.scaler)
+        self.reducer = reducer_cls(buckets, mesh, self.pool, precision.reduce_dtype, self.scaler)
         self.gatherer = ParamGatherer(buckets, self.group, self.pool)
         self.state = EngineState.ATTACHED
 

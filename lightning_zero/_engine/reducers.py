@@ -12,12 +12,12 @@ Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.gr
 
 from __future__ import annotations
 
+import math
 from enum import Enum, auto
 from functools import partial
 
 import torch
 from torch.autograd import Variable
-from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero._config import Stage
@@ -27,6 +27,7 @@ from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._offload.host import host_copies, pinned_views
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport.mesh import DataParallelMesh
 
 
 class ReduceMode(Enum):
@@ -95,7 +96,7 @@ class GradientReducer:
     def __init__(
         self,
         buckets: list[list[ShardedParam]],
-        group: ProcessGroup,
+        mesh: DataParallelMesh,
         pool: BufferPool,
         reduce_dtype: torch.dtype | None = None,
         scaler: LossScaler | None = None,
@@ -110,9 +111,11 @@ class GradientReducer:
         self._host_copies_on = to_host[0].param.device if to_host else None
         self._copy_stream = torch.cuda.Stream(self._host_copies_on) if to_host else None
         self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
-        self.group = group
-        self.world_size = group.size()
-        self.rank = group.rank()
+        self.group = mesh.shard_group  # shards are split over these ranks
+        self.replicas = mesh.replicate  # hybrid sharding: reduced shards are then summed across the groups
+        self.world_size = self.group.size()
+        self.rank = self.group.rank()
+        self.average_over = mesh.world_size  # every data-parallel rank contributes a gradient
         self.pool = pool
         self.mode = ReduceMode.SYNC
         self._in_backward = False
@@ -243,7 +246,9 @@ class AllReduceReducer(GradientReducer):
 
     def _build(self, bucket: Bucket) -> None:
         bucket.layout = NaturalLayout([s.param.shape for s in bucket.params])
-        bucket.buffer = torch.zeros(bucket.layout.numel, dtype=bucket.dtype, device=bucket.device)
+        # hybrid sharding reduces it in chunks, one per rank of the shard group
+        numel = math.ceil(bucket.layout.numel / self.world_size) * self.world_size
+        bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
         bucket.output = bucket.buffer
         bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]
         for sharded, region in zip(bucket.params, bucket.regions, strict=True):
@@ -262,8 +267,11 @@ class AllReduceReducer(GradientReducer):
         bucket.layout.flags(bucket.buffer)[index] = 0
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.buffer.div_(self.world_size)
-        bucket.work = comm.all_reduce_sum(bucket.buffer, self.group)
+        bucket.buffer.div_(self.average_over)
+        if self.replicas is None:
+            bucket.work = comm.all_reduce_sum(bucket.buffer, self.group)
+        else:
+            bucket.work = comm.all_reduce_hierarchical(bucket.buffer, self.group, self.replicas)
 
     def _publish(self, bucket: Bucket) -> None:
         present = bucket.layout.flags(bucket.buffer).tolist()
@@ -316,10 +324,14 @@ class ReduceScatterReducer(GradientReducer):
 
     def _launch(self, bucket: Bucket) -> None:
         chunks = self._input_chunks(bucket)
-        chunks.div_(self.world_size)
+        chunks.div_(self.average_over)
         fresh = all(s.shard.grad is None for s in bucket.params)
-        bucket.output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
-        bucket.work = comm.reduce_scatter_sum(bucket.output, bucket.buffer, self.group)
+        output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
+        bucket.output = output
+        bucket.work = comm.reduce_scatter_sum(output, bucket.buffer, self.group)
+        if self.replicas is not None:  # then this rank's shards across the shard groups
+            replicas = self.replicas
+            bucket.work = comm.Chained(bucket.work, [lambda: comm.all_reduce_sum(output, replicas)])
         # Bound the staging memory: the bucket launched two before this one must have released its input.
         if bucket.position >= 2:
             self._wait(self.buckets[bucket.position - 2])

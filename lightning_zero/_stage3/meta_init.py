@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lightning_zero._transport.mesh import DataParallelMesh
+
 
 def can_reset(module: nn.Module) -> bool:
     return callable(getattr(module, "reset_parameters", None))
@@ -126,7 +128,7 @@ class Reset:
 
 
 def materialize(
-    root: nn.Module, resets: list[Reset], device: torch.device, group: ProcessGroup, shards_on_host: bool = False
+    root: nn.Module, resets: list[Reset], device: torch.device, mesh: DataParallelMesh, shards_on_host: bool = False
 ) -> None:
     """Give every meta parameter of the sharded ``root`` storage on ``device`` and its values (see module docs);
     with ``shards_on_host`` (offload), the shards then move to host memory, where ``fully_shard`` expects them."""
@@ -140,9 +142,9 @@ def materialize(
             _local(param).copy_(values)
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
-        _share_rank0_generator(device, group)
+        _share_rank0_generator(device, mesh.world)
         for reset in resets:
-            _replay(reset, device, group)
+            _replay(reset, device, mesh.shard_group)
         if shards_on_host:
             root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
 

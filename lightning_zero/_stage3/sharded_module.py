@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +40,7 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms
+from lightning_zero._transport.mesh import DataParallelMesh
 
 _MIXED = "got mixed torch.Tensor and DTensor"
 _SHARD_OUTSIDE_FORWARD = (
@@ -60,14 +60,15 @@ class ShardedModule:
     def __init__(
         self,
         module: nn.Module,
-        mesh: DeviceMesh,
+        mesh: DataParallelMesh,
         units: list[nn.Module],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self._module = weakref.ref(module)
-        self.group: ProcessGroup = mesh.get_group()
+        self.mesh = mesh
+        self.group: ProcessGroup = mesh.world  # every data-parallel rank: replicated gradients average over them
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         policies = {
             "ignored_params": set(self.replicated),
@@ -76,13 +77,13 @@ class ShardedModule:
         }
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         largest = max(
-            fsdp_comms.gathered_bytes(params, mesh.size(), param_dtype)
+            fsdp_comms.gathered_bytes(params, mesh.shard.size(), param_dtype)
             for params in _unit_parameters([*units, module], set(self.replicated))
         )
         for unit in units:  # deepest first
-            fully_shard(unit, mesh=mesh, **policies)
-        fully_shard(module, mesh=mesh, **policies)
-        fsdp_comms.install([*units, module], self.group, largest)
+            fully_shard(unit, mesh=mesh.shard, **policies)
+        fully_shard(module, mesh=mesh.shard, **policies)
+        fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last

@@ -23,7 +23,7 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
-    TRAFFIC.record("all_reduce", buffer.nbytes)
+    TRAFFIC.record("all_reduce", buffer.nbytes, group)
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
         shared = _shared(buffer, group)
         if shared is not None:
@@ -48,7 +48,25 @@ class Exchange:
         return True
 
 
-Pending = Work | Exchange | shared_memory.InFlight
+class Chained:
+    """Collectives run one after another: the first is in flight already, each next one starts once the one before it
+    is waited for (its input is that one's output)."""
+
+    def __init__(self, first: Pending, rest: list[Callable[[], Pending | None]]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def wait(self) -> bool:
+        self._first.wait()
+        for start in self._rest:
+            pending = start()
+            if pending is not None:
+                pending.wait()
+        self._rest = []
+        return True
+
+
+Pending = Work | Exchange | Chained | shared_memory.InFlight
 
 
 def _point_to_point(group: ProcessGroup) -> bool:
@@ -63,7 +81,7 @@ def _shared(tensor: torch.Tensor, group: ProcessGroup) -> shared_memory.Channel 
 
 def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     """``output`` (one chunk) receives the sum over ranks of this rank's chunk of ``buffer`` (``world_size`` chunks)."""
-    TRAFFIC.record("reduce_scatter", buffer.nbytes)
+    TRAFFIC.record("reduce_scatter", buffer.nbytes, group)
     with torch.profiler.record_function("lightning_zero::reduce_scatter_grads"):
         if not _point_to_point(group):
             return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -97,7 +115,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
     """``output`` (``world_size`` chunks) receives every rank's ``chunk`` in rank order."""
-    TRAFFIC.record("all_gather", output.nbytes)
+    TRAFFIC.record("all_gather", output.nbytes, group)
     with torch.profiler.record_function("lightning_zero::all_gather_params"):
         if not _point_to_point(group):
             return _all_gather(output, chunk, group=group, async_op=True)
@@ -124,10 +142,27 @@ def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    TRAFFIC.record("broadcast", sum(t.nbytes for t in tensors))
+    TRAFFIC.record("broadcast", sum(t.nbytes for t in tensors), group)
     with torch.profiler.record_function("lightning_zero::broadcast_buffers"):
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in same_dtype])
             dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
             parts = flat.split([t.numel() for t in same_dtype])
             torch._foreach_copy_(same_dtype, [part.view_as(t) for part, t in zip(parts, same_dtype, strict=True)])
+
+
+def all_reduce_hierarchical(buffer: torch.Tensor, shard_group: ProcessGroup, replicas: ProcessGroup) -> Pending:
+    """``buffer`` becomes the sum over every rank of the shard groups, only ``1/size`` of it crossing between the
+    groups: a reduce-scatter within this rank's shard group, an all-reduce of its chunk across the replicas (the same
+    chunk in every group), an all-gather back within the group. ``buffer``'s length must divide by the group size."""
+    chunk = buffer.view(shard_group.size(), -1)[shard_group.rank()]
+    summed = torch.empty_like(chunk)  # the reduce-scatter's output may not alias its input on every transport
+
+    def across() -> Pending:
+        return all_reduce_sum(summed, replicas)
+
+    def back() -> Pending:
+        chunk.copy_(summed)
+        return all_gather(buffer, chunk, shard_group)
+
+    return Chained(reduce_scatter_sum(summed, buffer, shard_group), [across, back])

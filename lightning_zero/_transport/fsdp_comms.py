@@ -29,9 +29,16 @@ except ImportError:  # older torch: `fully_shard` keeps its own collectives
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
 
-def install(fsdp_modules: list[nn.Module], group: ProcessGroup, largest_unit_bytes: int) -> None:
+def install(
+    fsdp_modules: list[nn.Module], group: ProcessGroup, largest_unit_bytes: int, replicas: ProcessGroup | None = None
+) -> None:
     """Give every ``fully_shard``-ed module of a gloo group this package's collectives (where torch lets them be
-    replaced), with a gather ring sized for the largest unit when the ranks share a host."""
+    replaced), with a gather ring sized for the largest unit when the ranks share a host. With ``replicas`` (hybrid
+    sharding: ``group`` is one shard group), each unit's reduced gradient shards are then summed across the groups."""
+    if replicas is not None:
+        for module in fsdp_modules:
+            assert isinstance(module, FSDPModule)
+            module.set_all_reduce_hook(AcrossReplicas(replicas))
     if dist.get_backend(group) != "gloo" or AllGather is None or group.size() == 1:
         return
     channel = shared_memory.channel(group)
@@ -105,3 +112,15 @@ class HostReduceScatter(ReduceScatter or object):  # type: ignore[misc]
         comm.reduce_scatter_sum(output_tensor, input_tensor, group).wait()
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(group.size())
+
+
+class AcrossReplicas:
+    """``fully_shard``'s all-reduce hook under hybrid sharding: a unit's gradient shards, reduced within the shard
+    group, averaged across the shard groups (each holds the same rows), through this package's collectives."""
+
+    def __init__(self, replicas: ProcessGroup) -> None:
+        self._replicas = replicas
+
+    def __call__(self, output: torch.Tensor) -> None:
+        comm.all_reduce_sum(output, self._replicas).wait()
+        output.div_(self._replicas.size())

@@ -1,12 +1,20 @@
 """Bytes through the package's collectives, counted by kind, so a step's communication volume is measured rather
 than derived: ``all_reduce`` counts its buffer, ``reduce_scatter`` its whole (``world_size``-chunk) input,
 ``all_gather`` its whole output, ``broadcast`` what is broadcast. In the ZeRO paper's terms a reduce-scatter or an
-all-gather of Psi elements moves Psi, an all-reduce 2 Psi (a ring sends (N-1)/N of that over each rank's link)."""
+all-gather of Psi elements moves Psi, an all-reduce 2 Psi (a ring sends (N-1)/N of that over each rank's link).
+
+Also counted, where the ranks per node are known: the bytes this rank sends to ranks on other nodes, as a direct
+exchange sends them (in a reduce-scatter or all-gather of B bytes over n ranks a rank sends B/n to each peer, in an
+all-reduce twice that), which is what hybrid sharding keeps off the links between nodes.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -15,14 +23,29 @@ class Traffic:
 
     bytes: Counter[str] = field(default_factory=Counter)
     calls: Counter[str] = field(default_factory=Counter)
+    across_nodes: Counter[str] = field(default_factory=Counter)  # sent to ranks on other nodes
+    ranks_per_node: int = 0  # set when a run starts; 0: unknown, nothing counted as crossing
+    _elsewhere: dict[ProcessGroup, tuple[int, int]] = field(default_factory=dict)  # group -> (size, peers elsewhere)
 
-    def record(self, kind: str, nbytes: int) -> None:
+    def record(self, kind: str, nbytes: int, group: ProcessGroup) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        if self.ranks_per_node and kind != "broadcast":
+            size, elsewhere = self._placement(group)
+            per_peer = nbytes // size * (2 if kind == "all_reduce" else 1)
+            self.across_nodes[kind] += per_peer * elsewhere
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.across_nodes.clear()
+
+    def _placement(self, group: ProcessGroup) -> tuple[int, int]:
+        if group not in self._elsewhere:
+            node = dist.get_rank() // self.ranks_per_node
+            members = dist.get_process_group_ranks(group)
+            self._elsewhere[group] = (len(members), sum(r // self.ranks_per_node != node for r in members))
+        return self._elsewhere[group]
 
 
 TRAFFIC = Traffic()  # this process's, for every group

@@ -47,7 +47,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
-            ``memory_report``, ``sharded_on_one_device``.
+            ``memory_report``, ``shard_group_size``, ``sharded_on_one_device``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
         start_method: as for Fabric's ``DDPStrategy``.
     """

@@ -70,6 +70,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             the first optimizer step, the first moment at which gradients and optimizer state all exist (with several
             optimizers, only the one that stepped has state then), through Lightning's logging
             (``rank_zero_info``, logger ``lightning.pytorch``).
+        shard_group_size: hybrid sharding: shard model states within groups of this many consecutive ranks
+            (``"node"``: one group per node) and replicate them across groups, so that only ``1/group`` of the
+            gradient bytes cross nodes and parameter gathers stay within a node. ``None``: shard across all ranks.
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -91,6 +94,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         offload_dir: str | Path | None = None,
         pin_memory: bool = True,
         memory_report: bool = True,
+        shard_group_size: int | Literal["node"] | None = None,
         sharded_on_one_device: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -119,6 +123,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             offload_dir=offload_dir,
             pin_memory=pin_memory,
             memory_report=memory_report,
+            shard_group_size=shard_group_size,
             sharded_on_one_device=sharded_on_one_device,
         )
         super().__init__(

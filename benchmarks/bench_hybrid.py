@@ -1,0 +1,110 @@
+"""Bytes that cross nodes per step under hybrid sharding (``shard_group_size="node"``) against full sharding, counted
+in the collectives.
+
+Run from the repository root: ``python -m benchmarks.bench_hybrid [--layouts 2x2 2x4]``.
+
+Each layout ``NxD`` simulates N nodes of D processes on this host (``Trainer(num_nodes=N, devices=D)``, each process
+told its node): the MLP of ``benchmarks/bench_communication.py`` trains under each stage, sharded across all ranks or
+within each node, and from the second step on every collective counts the bytes this rank sends to ranks of other
+nodes, as a direct exchange sends them (``lightning_zero._transport.traffic``: B/n to each peer of a reduce-scatter or
+all-gather of B bytes over n ranks, twice that in an all-reduce). Gradients cross in the reduce-scatter (full) or in
+the all-reduce of each shard across the groups (hybrid: a buffer 1/D of the size, for twice the traffic of a
+reduce-scatter, so 2/D of full sharding's gradient bytes cross for large N); parameter gathers stay within a node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+from benchmarks.bench_communication import MLP
+from lightning_zero import ZeroStrategy
+from lightning_zero._transport.traffic import TRAFFIC
+from tests.launch import launch
+
+STAGES = (1, 2, 3)
+SHARDINGS = {"full": None, "hybrid": "node"}
+
+
+class CrossingMLP(MLP):
+    """Records, per step, the bytes sent to other nodes by kind."""
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self.step_bytes.append(dict(TRAFFIC.across_nodes))
+
+
+def worker(args: argparse.Namespace) -> None:
+    nodes, devices = int(os.environ["NODES"]), int(os.environ["DEVICES"])
+    results = {}
+    for stage in STAGES:
+        for label, sharding in SHARDINGS.items():
+            pl.seed_everything(0, verbose=False)
+            module = CrossingMLP(args.width)
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=devices, num_nodes=nodes, max_steps=4, logger=False,
+                strategy=ZeroStrategy(stage=stage, shard_group_size=sharding), enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            trainer.fit(module)
+            results[f"zero{stage}/{label}"] = module.step_bytes[1:]
+    if dist.get_rank() == 0:
+        psi = sum(p.numel() for p in MLP(args.width).parameters())
+        (args.out_dir / "crossing.json").write_text(json.dumps({"psi": psi, "results": results}))
+    dist.barrier()
+
+
+def table(layouts: dict[str, dict]) -> list[str]:
+    lines = [
+        "| nodes x devices | stage | gradients MiB: full -> hybrid | parameter gathers MiB: full -> hybrid"
+        " | all crossing: hybrid / full |",
+        "|---|---|---|---|---|",
+    ]
+    for layout, data in layouts.items():
+        for stage in STAGES:
+            full, hybrid = (data["results"][f"zero{stage}/{label}"][0] for label in SHARDINGS)
+
+            def grads(step: dict[str, int]) -> float:
+                return (step.get("reduce_scatter", 0) + step.get("all_reduce", 0)) / 2**20
+
+            def gathers(step: dict[str, int]) -> float:
+                return step.get("all_gather", 0) / 2**20
+
+            ratio = (grads(hybrid) + gathers(hybrid)) / (grads(full) + gathers(full))
+            lines.append(
+                f"| {layout} | zero{stage} | {grads(full):.2f} -> {grads(hybrid):.2f}"
+                f" | {gathers(full):.2f} -> {gathers(hybrid):.2f} | {ratio:.3f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["2x2", "2x4"], help="NODESxDEVICES")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    layouts = {}
+    for layout in args.layouts:
+        nodes, devices = map(int, layout.split("x"))
+        os.environ.update(NODES=str(nodes), DEVICES=str(devices))
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = ["--width", str(args.width), "--out-dir", tmp]
+            launch("benchmarks.bench_hybrid", argv, nodes * devices, timeout=1800, nodes=nodes)
+            layouts[layout] = json.loads((Path(tmp) / "crossing.json").read_text())
+    psi = layouts[args.layouts[0]]["psi"]
+    print(f"Bytes rank 0 sends to other nodes per step, Psi = {psi:,} fp32 parameters (Psi x 4 B ="
+          f" {psi * 4 / 2**20:.2f} MiB):\n", flush=True)
+    print("\n".join(table(layouts)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

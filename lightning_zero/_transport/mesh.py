@@ -1,0 +1,68 @@
+"""The ranks a run shards over and those it replicates over.
+
+Vocabulary:
+
+- **shard group**: the ranks that together hold one copy of the model state, each its shard. Without hybrid sharding
+  it is every rank; with ``shard_group_size=k`` (or ``"node"``: the ranks of one node) it is ``k`` consecutive global
+  ranks, so that a group lives on one node and its all-gathers and reduce-scatters stay on the node's links.
+- **replicate group**: a rank and its counterparts (the same shard rank) in the other shard groups. Gradients reduced
+  within a shard group are all-reduced across it, shard by shard: only ``1/k`` of the gradient bytes cross nodes, and
+  parameter gathers never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """This rank's groups."""
+
+    shard: DeviceMesh  # 1-D, over this rank's shard group: the mesh of the DTensor shards
+    replicate: ProcessGroup | None  # across the shard groups; ``None`` when one group holds every rank
+    world: ProcessGroup  # every data-parallel rank: gradients average over these, rank 0's weights start everywhere
+
+    @property
+    def shard_group(self) -> ProcessGroup:
+        return self.shard.get_group()
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size()
+
+
+# Per default process group (a test may destroy and create it again), device type and shard group size: groups are
+# created once, collectively, and reused by every later run of the process (each group opens its own channels).
+_MESHES: dict[tuple[ProcessGroup, str, int], DataParallelMesh] = {}
+
+
+def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
+    """Collective on first use: the mesh of shard groups of ``shard_size`` consecutive ranks."""
+    world = dist.group.WORLD
+    assert world is not None
+    key = (world, device_type, shard_size)
+    if key not in _MESHES:
+        world_size = world.size()
+        if shard_size == world_size:
+            _MESHES[key] = DataParallelMesh(init_device_mesh(device_type, (world_size,)), None, world)
+        else:
+            shape = (world_size // shard_size, shard_size)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+            _MESHES[key] = DataParallelMesh(mesh["shard"], mesh.get_group("replicate"), world)
+    return _MESHES[key]
+
+
+def shard_group_size(option: int | str | None, world_size: int, ranks_per_node: int) -> int:
+    """The shard group size ``shard_group_size=option`` gives on ``world_size`` ranks of ``ranks_per_node`` each."""
+    size = world_size if option is None else ranks_per_node if option == "node" else int(option)
+    if size > world_size or world_size % size:
+        raise ValueError(
+            f"`shard_group_size={option!r}` makes shard groups of {size} ranks, which do not divide the {world_size}"
+            " ranks of this run. HINT: pass a divisor of the number of ranks, or 'node' for one group per node."
+        )
+    return size
