@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -107,7 +107,8 @@ def save(flat: dict[str, Any], meta: dict[str, Any], path: Path, rank: int, barr
             shutil.rmtree(leftover, ignore_errors=True)
         staging.mkdir(parents=True)
     barrier()
-    dcp.save(flat, checkpoint_id=staging)
+    # what every rank holds alike (buffers, step counters) is written by rank 0, as a single-file checkpoint would be
+    dcp.save(flat, checkpoint_id=staging, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if rank == 0:
         torch.save({"format": FORMAT_VERSION, **meta}, staging / META_FILE)
         if path.is_dir():

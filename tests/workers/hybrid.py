@@ -1,0 +1,55 @@
+"""Runs inside each of 4 processes simulating 2 nodes of 2 (tests/launch.py with ``nodes=2``), or 2 processes for the
+resume: ``argv`` phase, dir. Trains under "ddp" and every stage with hybrid sharding, saves hybrid checkpoints, and
+writes what rank 0 ends with for tests/test_hybrid.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero._transport.traffic import TRAFFIC
+from tests.workers.checkpoints import full_snapshot
+from tests.workers.modules import Classifier
+
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
+
+
+def fit(strategy: Any, max_steps: int, nodes: int, ckpt_path: Path | None = None) -> pl.Trainer:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE // nodes, num_nodes=nodes, strategy=strategy, max_steps=max_steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Classifier(batch_norm=True), ckpt_path=ckpt_path)
+    return trainer
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    results: dict[str, Any] = {}
+    if phase == "train":  # 2 nodes of 2
+        results["ddp"] = full_snapshot(fit("ddp", 6, nodes=2))
+        for stage in (1, 2, 3):
+            TRAFFIC.reset()
+            trainer = fit(ZeroStrategy(stage=stage, shard_group_size="node"), 6, nodes=2)
+            results[f"zero{stage}"] = {**full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes)}
+            trainer.save_checkpoint(out / f"hybrid-zero{stage}")
+    elif phase == "resume":  # 2 ranks on one node, full sharding under another stage, from each hybrid checkpoint
+        for stage in (1, 2, 3):
+            other = 3 if stage < 3 else 2
+            restored = fit(ZeroStrategy(stage=other), 6, nodes=1, ckpt_path=out / f"hybrid-zero{stage}")
+            results[f"restored-zero{stage}"] = full_snapshot(restored)  # max_steps reached: restored, not trained
+        continued = fit(ZeroStrategy(stage=3), 8, nodes=1, ckpt_path=out / "hybrid-zero2")
+        results["continued"] = full_snapshot(continued)
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / f"{phase}.pt")
+
+
+if __name__ == "__main__":
+    main()
