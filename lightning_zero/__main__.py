@@ -63,6 +63,10 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--offload", action="store_true", help="count master weights, optimizer state as host memory")
     parser.add_argument("--optimizer", default="adam", choices=list(OPTIMIZER_STATES), help="default adam")
+    parser.add_argument(
+        "--shard-group-size",
+        help="hybrid sharding: also the rows of stages sharding within groups of this many ranks ('node': per node)",
+    )
 
 
 def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
@@ -76,16 +80,21 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: 
         else:
             num_params = trainable = round(args.params)
             source = ""
-        estimates = estimate(
-            num_params,
-            num_ranks=args.ranks,
-            num_nodes=args.nodes,
-            precision=args.precision,
-            master_weights=args.master_weights,
-            offload=args.offload,
-            optimizer=args.optimizer,
-            trainable_params=trainable,
-        )
+        options = {
+            "num_ranks": args.ranks,
+            "num_nodes": args.nodes,
+            "precision": args.precision,
+            "master_weights": args.master_weights,
+            "offload": args.offload,
+            "optimizer": args.optimizer,
+            "trainable_params": trainable,
+        }
+        estimates = estimate(num_params, **options)
+        if args.shard_group_size is not None:
+            per_node = args.ranks // args.nodes
+            group = per_node if args.shard_group_size == "node" else _positive_int(args.shard_group_size)
+            hybrid = estimate(num_params, **options, shard_group_size=group)
+            estimates.update({f"{k} (groups of {group})": v for k, v in hybrid.items() if k != "ddp"})
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -110,6 +119,16 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: 
         )
     print("\n" + "\n".join(notes))
     return 0
+
+
+def _positive_int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError as error:
+        raise ValueError(
+            f"`--shard-group-size {value}` is not a number of ranks. HINT: pass an integer that divides --ranks, or"
+            " 'node'."
+        ) from error
 
 
 def _init_args(parser: argparse.ArgumentParser, extra: list[str]) -> dict[str, object]:

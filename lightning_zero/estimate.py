@@ -115,6 +115,7 @@ def estimate(
     offload: bool = False,
     optimizer: str = "adam",
     trainable_params: int | None = None,
+    shard_group_size: int | None = None,
 ) -> dict[str, MemoryEstimate]:
     """Model-state bytes for DDP and each ZeRO stage, keyed ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``.
 
@@ -129,9 +130,17 @@ def estimate(
         offload: count master weights and optimizer state as host memory rather than device memory.
         optimizer: one of ``OPTIMIZER_STATES``; Adam keeps two moments per parameter.
         trainable_params: parameters that get gradients and optimizer state; by default all ``num_params``.
+        shard_group_size: hybrid sharding (``shard_group_size=`` of the strategies): the stages shard over groups of
+            this many ranks and replicate across groups, so their per-rank bytes divide by it instead of N.
     """
     trainable = num_params if trainable_params is None else trainable_params
     _check_counts(num_params, trainable, num_ranks, num_nodes)
+    shards = num_ranks if shard_group_size is None else shard_group_size
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or num_ranks % shards:
+        raise ValueError(
+            f"`shard_group_size={shard_group_size!r}` must be a positive divisor of `num_ranks={num_ranks}`. HINT: pass"
+            " the ranks of one shard group, e.g. the ranks of one node."
+        )
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"`optimizer={optimizer!r}` is not known. HINT: use one of {list(OPTIMIZER_STATES)}.")
     param_bytes = parameter_bytes(precision)
@@ -147,10 +156,10 @@ def estimate(
         held = _MASTER_BYTES if master_weights and sharding.parameters_are_masters else param_bytes
         master_bytes = _MASTER_BYTES if master_weights and not sharding.parameters_are_masters else 0
         per_rank = ModelStateBytes(
-            parameters=_share(held * num_params, sharding.parameters, num_ranks),
-            gradients=_share(held * trainable, sharding.gradients, num_ranks),
-            master_weights=_share(master_bytes * trainable, sharding.optimizer, num_ranks),
-            optimizer_state=_share(state_bytes * trainable, sharding.optimizer, num_ranks),
+            parameters=_share(held * num_params, sharding.parameters, shards),
+            gradients=_share(held * trainable, sharding.gradients, shards),
+            master_weights=_share(master_bytes * trainable, sharding.optimizer, shards),
+            optimizer_state=_share(state_bytes * trainable, sharding.optimizer, shards),
         )
         estimates[name] = MemoryEstimate(name, per_rank, num_ranks // num_nodes, offload)
     return estimates

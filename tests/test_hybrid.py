@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_zero.__main__ import main
+from lightning_zero.estimate import estimate, format_bytes
 from tests.launch import launch
 from tests.test_parity import close
 
@@ -65,3 +67,32 @@ def test_training_goes_on_after_the_resume(runs: dict[str, Any]) -> None:
     continued = runs["continued"]  # the stage-2 hybrid checkpoint, on 2 ranks under stage 3, to step 8
     assert continued["global_step"] == 8 and len(continued["losses"]) == 2
     assert all(torch.isfinite(torch.tensor(continued["losses"])))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_per_rank_bytes_follow_the_group_size(runs: dict[str, Any], stage: int) -> None:
+    """Measured by walking tensors: each category within padding of the estimate for shard groups of 2 of 4 ranks
+    (a row per parameter more or less, a step counter and a presence flag per parameter), and above what sharding
+    over all 4 would hold."""
+    from tests.workers.modules import Classifier
+
+    params = list(Classifier(batch_norm=True).parameters())
+    psi, count = sum(p.numel() for p in params), len(params)
+    slack = 8 * sum(p[0].numel() if p.ndim else 1 for p in params) + 8 * count
+    held = runs[f"zero{stage}"]["model_state"]
+    hybrid = estimate(psi, num_ranks=4, num_nodes=2, shard_group_size=2)[f"zero{stage}"].per_rank
+    full = estimate(psi, num_ranks=4, num_nodes=2)[f"zero{stage}"].per_rank
+    for category in ("parameters", "gradients", "master_weights", "optimizer_state"):
+        assert abs(getattr(held, category) - getattr(hybrid, category)) <= slack, (category, held, hybrid)
+    assert held.total > full.total + slack
+
+
+def test_estimate_lists_hybrid_rows(capsys: pytest.CaptureFixture) -> None:
+    assert main(["estimate", "--params", "7.5e9", "--ranks", "64", "--nodes", "8", "--shard-group-size", "node"]) == 0
+    table = capsys.readouterr().out
+    full = estimate(7_500_000_000, num_ranks=64, num_nodes=8)["zero3"]
+    hybrid = estimate(7_500_000_000, num_ranks=64, num_nodes=8, shard_group_size=8)["zero3"]
+    assert hybrid.per_rank.total == 8 * full.per_rank.total  # 16 Psi / 8 instead of 16 Psi / 64
+    assert "| `zero3 (groups of 8)` |" in table and format_bytes(hybrid.device_per_node) in table
+    with pytest.raises(ValueError, match=r"`shard_group_size=3` must be a positive divisor of `num_ranks=64`"):
+        estimate(10, num_ranks=64, shard_group_size=3)

@@ -83,6 +83,7 @@ class ZeroFrontEnd:
                     master_weights=self.config.master_weights,
                     engine=self.mode.engine,
                     offload=self.config.offload is not OffloadTarget.DEVICE,
+                    shard_group_size=self.mode.shard_size,
                 )
                 log_info(report)
         return output

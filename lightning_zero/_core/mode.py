@@ -186,10 +186,14 @@ class Mode:
             self._disk.close()
             self._disk = None
 
+    @property
+    def shard_size(self) -> int:
+        """The ranks of one shard group (all of them, without hybrid sharding)."""
+        return shard_group_size(self.config.shard_group_size, dist.get_world_size(), self.ranks_per_node)
+
     def _mesh(self) -> DataParallelMesh:
         """The shard groups of this run (collective on first use)."""
-        size = shard_group_size(self.config.shard_group_size, dist.get_world_size(), self.ranks_per_node)
-        return data_parallel_mesh(self.device.type, size)
+        return data_parallel_mesh(self.device.type, self.shard_size)
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights

@@ -63,6 +63,7 @@ def memory_report(
     master_weights: bool = False,
     engine: object | None = None,
     offload: bool = False,
+    shard_group_size: int | None = None,
 ) -> str:
     """This rank's model state (``lightning_zero.memory.measure``) beside the estimate for ``strategy`` (``"ddp"``,
     ``"zero1"``, ``"zero2"`` or ``"zero3"``), as :func:`format_report`'s table. The estimate takes the parameter
@@ -86,10 +87,12 @@ def memory_report(
         master_weights=master_weights,
         optimizer=kind or "adam",
         trainable_params=trainable,
+        shard_group_size=shard_group_size,
     )[strategy]
     assumed = "" if kind is not None else ", optimizer state estimated as Adam's"
     ranks = f"{num_ranks} rank{'s' if num_ranks > 1 else ''}"
-    title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{assumed}:"
+    groups = "" if shard_group_size in (None, num_ranks) else f" in shard groups of {shard_group_size}"
+    title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{groups}{assumed}:"
     held = measure(module, optimizers, engine)
     report = format_report(held, expected, title=title, communication=communication_bytes(engine))
     if offload:

@@ -14,10 +14,18 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero._transport.traffic import TRAFFIC
+from lightning_zero.memory import engine_of, measure
 from tests.workers.checkpoints import full_snapshot
 from tests.workers.modules import Classifier
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
+
+
+class Held(pl.Callback):
+    """Model state right before an optimizer step, when gradients exist under every stage."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        self.held = measure(module, trainer.optimizers, engine_of(trainer.strategy))
 
 
 def fit(strategy: Any, max_steps: int, nodes: int, ckpt_path: Path | None = None) -> pl.Trainer:
@@ -25,6 +33,7 @@ def fit(strategy: Any, max_steps: int, nodes: int, ckpt_path: Path | None = None
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD_SIZE // nodes, num_nodes=nodes, strategy=strategy, max_steps=max_steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Held()],
     )  # fmt: skip
     trainer.fit(Classifier(batch_norm=True), ckpt_path=ckpt_path)
     return trainer
@@ -38,7 +47,10 @@ def main() -> None:
         for stage in (1, 2, 3):
             TRAFFIC.reset()
             trainer = fit(ZeroStrategy(stage=stage, shard_group_size="node"), 6, nodes=2)
-            results[f"zero{stage}"] = {**full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes)}
+            held = next(c for c in trainer.callbacks if isinstance(c, Held)).held
+            results[f"zero{stage}"] = {
+                **full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes), "model_state": held
+            }
             trainer.save_checkpoint(out / f"hybrid-zero{stage}")
     elif phase == "resume":  # 2 ranks on one node, full sharding under another stage, from each hybrid checkpoint
         for stage in (1, 2, 3):
