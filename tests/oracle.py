@@ -113,4 +113,3 @@ def shard_numels(module: nn.Module, world_size: int, rank: int) -> tuple[int, in
     specs = [ShardSpec(p.shape, world_size) for p in module.parameters() if p.requires_grad]
     local = sum(s.local_numel(rank) for s in specs)
     return len(specs), local, sum(s.padded_numel for s in specs), sum(s.row_numel for s in specs)
-

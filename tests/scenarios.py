@@ -174,14 +174,22 @@ class FrontEnd(enum.Enum):
 
 @dataclass(frozen=True)
 class Saver:
-    """Who writes a checkpoint: a front end training under a strategy (4 steps of the classifier, on 2 ranks)."""
+    """Who writes a checkpoint: a front end training the classifier under a strategy for ``steps`` steps."""
 
     front_end: FrontEnd
     strategy: StrategySpec
+    steps: int = 4
 
     @property
     def label(self) -> str:
         return f"{self.front_end.value}-{self.strategy.file_name}"
+
+
+class Exchange(enum.Enum):
+    """What a launch of the Fabric worker does with the :class:`Resume` entries, after its scenarios."""
+
+    SAVE = "save"  # each saver trains and writes its checkpoint (on 2 ranks)
+    LOAD = "load"  # each resume loads one (on 3 ranks)
 
 
 class Source(enum.Enum):

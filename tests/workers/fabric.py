@@ -1,7 +1,8 @@
 """Runs inside each of N processes (started by tests/launch.py) for tests/test_fabric.py: a hand-written Fabric loop
-for every :class:`~tests.scenarios.FabricScenario` under each of its strategies, and the checkpoint exchanges of the
-:class:`~tests.scenarios.Resume` entries: on 2 ranks each saver trains and writes its checkpoint, on 3 ranks each
-resume loads one. Records, per rank, the losses, the module's state and the optimizer's, gathered whole.
+for every :class:`~tests.scenarios.FabricScenario` under each of its strategies, then the checkpoint exchange of the
+:class:`~tests.scenarios.Resume` entries (:class:`~tests.scenarios.Exchange`): each saver trains and writes its
+checkpoint, or each resume loads one. Records, per rank, the losses and the module's and optimizer's state, gathered
+whole.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.nn import functional as F
 from tests.scenarios import (
     Clip,
     ClipBy,
+    Exchange,
     FabricScenario,
     FrontEnd,
     Resume,
@@ -35,7 +37,6 @@ from tests.workers.modules import MODULES, Classifier
 from tests.workers.parity import full, full_optimizer_state
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
-SAVED_STEPS = 4  # steps a saver trains before writing its checkpoint
 BATCH = 8
 
 
@@ -146,22 +147,21 @@ def run(scenario: FabricScenario, strategy: StrategySpec) -> dict[str, Any]:
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 
-SAVED = FabricScenario("saved", strategies=["ddp"], steps=SAVED_STEPS)  # what a Fabric saver trains
-
 
 def save(saver: Saver, path: Path) -> dict[str, Any]:
     """Train the classifier under the saver's front end and strategy, write its checkpoint to ``path``, and return
     what it saved, gathered whole."""
     if saver.front_end is FrontEnd.TRAINER:
-        trainer = trainer_for(saver.strategy, max_steps=SAVED_STEPS)
+        trainer = trainer_for(saver.strategy, max_steps=saver.steps)
         trainer.fit(Classifier())
         trainer.save_checkpoint(path)
         return snapshot(trainer.lightning_module, trainer.optimizers[0])
     fabric = make_fabric(saver.strategy)
-    model, optimizer = set_up(fabric, Setup.TOGETHER, build(fabric, SAVED, saver.strategy))
-    train(fabric, SAVED, model, optimizer)
-    fabric.save(path, {"model": model, "optimizer": optimizer, "step": SAVED_STEPS})
-    return {**snapshot(model, optimizer.optimizer), "step": SAVED_STEPS}
+    loop = FabricScenario("saved", strategies=[saver.strategy], steps=saver.steps)
+    model, optimizer = set_up(fabric, loop.setup, build(fabric, loop, saver.strategy))
+    train(fabric, loop, model, optimizer)
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": saver.steps})
+    return {**snapshot(model, optimizer.optimizer), "step": saver.steps}
 
 
 def load(resume: Resume, path: Path) -> dict[str, Any]:
@@ -216,14 +216,13 @@ def main() -> None:
     for scenario in payload["scenarios"]:
         for strategy in scenario.strategies:
             results[(scenario.name, strategy.label)] = run(scenario, strategy)
-    # Trainers last: their teardown changes the environment that Fabric's launch reads
-    if WORLD_SIZE == 2:
-        savers = sorted({r.saver for r in resumes}, key=lambda s: s.front_end is FrontEnd.TRAINER)
-        for saver in savers:
-            results[("saved", saver.label)] = save(saver, checkpoints / saver.label)
-    else:
-        for resume in sorted(resumes, key=lambda r: r.front_end is FrontEnd.TRAINER):
-            results[("loaded", resume.name)] = load(resume, checkpoint_path(checkpoints, resume))
+    match payload["exchange"]:
+        case Exchange.SAVE:
+            for saver in dict.fromkeys(r.saver for r in resumes):  # each once, in order
+                results[("saved", saver.label)] = save(saver, checkpoints / saver.label)
+        case Exchange.LOAD:
+            for resume in resumes:
+                results[("loaded", resume.name)] = load(resume, checkpoint_path(checkpoints, resume))
     save_results(out_dir, int(os.environ["RANK"]), results)
 
 
