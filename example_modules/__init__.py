@@ -2,4 +2,5 @@
 
 ``python -m example_modules fit --config example_modules/configs/zero2.yaml`` trains a small GPT under
 ``strategy: zero2`` on 2 CPU processes; the other configs pick stage 1, the strategy class, or the CNN.
+``python -m example_modules.fabric_gpt --strategy zero3 --devices 2`` trains the same GPT in a hand-written Fabric loop.
 """

@@ -1,18 +1,59 @@
-"""Starts N CPU processes the way torchrun would, so that every `Trainer(devices=N)` in them joins one gloo group."""
+"""Starts N CPU processes the way torchrun would, so that every ``Trainer(devices=N)`` or ``Fabric(devices=N)`` in them
+joins one gloo group, and stops all of them as soon as one fails.
+
+A rank that dies leaves its peers blocked in the next collective until gloo's own timeout (30 minutes), so the
+launcher never waits on one rank at a time: it polls all of them, and once one has failed the others get
+:data:`GRACE` seconds to end by themselves (ranks that hit the same error together are then all reported with their
+own exit codes) before they are killed, and the error shows every rank's output. Output goes to files, not pipes,
+so a rank that writes a lot never blocks on a full pipe.
+"""
 
 from __future__ import annotations
 
-import json
+import enum
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
+GRACE = 3.0  # seconds the other ranks get to end by themselves after the first failure
+POLL = 0.05  # seconds between looks at the ranks
+TAIL = 6000  # characters of each rank's output an error shows
+
+
+class LaunchError(RuntimeError):
+    """A rank exited with a non-zero code; the message names each rank's ending and shows its output's tail."""
+
+
+class Ending(enum.Enum):
+    """How one rank's process ended."""
+
+    EXITED = "exited"  # by itself, with its own exit code (0 or not)
+    KILLED = "killed"  # by the launcher: after another rank failed, or at the timeout
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    ending: Ending
+    returncode: int
+    output: str
+
+    @property
+    def failed(self) -> bool:
+        return self.ending is Ending.EXITED and self.returncode != 0
+
+    def describe(self) -> str:
+        how = f"exit code {self.returncode}" if self.ending is Ending.EXITED else "killed by the launcher"
+        return f"--- rank {self.rank} ({how}) ---\n{self.output[-TAIL:]}"
 
 
 def free_port() -> int:
@@ -21,50 +62,92 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, args: list[str], world_size: int, timeout: float = 600, nodes: int = 1) -> None:
-    """Run ``python -m module *args`` in ``world_size`` processes, as ``nodes`` nodes of equal size (simulated on this
-    host); raise with their output if any fails."""
+def launch(module: str, args: list[str], world_size: int, timeout: float = 600, nodes: int = 1) -> list[str]:
+    """Run ``python -m module *args`` in ``world_size`` processes and return each rank's output. With ``nodes``, the
+    processes are told they form that many nodes of equal size (simulated on this host).
+
+    Raises :class:`LaunchError` (a ``RuntimeError``) as soon as a rank fails, the others killed after :data:`GRACE`
+    seconds, and ``TimeoutError`` when the ranks run past ``timeout`` seconds in all; both show every rank's output.
+    """
     port = free_port()
-    procs = []
-    per_node = world_size // nodes
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(world_size),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank % per_node),
-            NODE_RANK=str(rank // per_node),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-        )
-    outputs = []
-    for proc in procs:
+    with ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(world_size)]
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        outputs.append(out)
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+            for rank, log in enumerate(logs):
+                procs.append(_start(module, args, rank, world_size, nodes, port, log))
+            timed_out = _wait_for_first_failure(procs, timeout)
+        finally:
+            killed = {rank for rank, proc in enumerate(procs) if _kill(proc)}
+        results = [
+            RankResult(rank, Ending.KILLED if rank in killed else Ending.EXITED, proc.returncode, _read(log))
+            for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+        ]
+    outputs = "\n".join(r.describe() for r in results)
+    if timed_out:
+        raise TimeoutError(f"ranks {sorted(killed)} were still running after {timeout} s, and were killed:\n{outputs}")
+    failed = [(r.rank, r.returncode) for r in results if r.failed]
     if failed:
-        log = "\n".join(f"--- rank {r} ---\n{o[-6000:]}" for r, o in enumerate(outputs))
-        raise RuntimeError(f"processes failed {failed}:\n{log}")
+        stopped = f"; ranks {sorted(killed)} were killed after it" if killed else ""
+        raise LaunchError(f"processes failed {failed}{stopped}:\n{outputs}")
+    return [r.output for r in results]
 
 
-def run_scenarios(scenarios: list[dict[str, Any]], world_size: int, tmp_path: Path) -> list[dict[Any, Any]]:
-    """Train ``scenarios`` in ``world_size`` processes; return each rank's results."""
-    for scenario in scenarios:
-        scenario["world_size"] = world_size
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(scenarios))
-    launch("tests.workers.parity", [str(spec), str(tmp_path)], world_size)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+def _start(
+    module: str, args: list[str], rank: int, world_size: int, nodes: int, port: int, log: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    per_node = world_size // nodes
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % per_node),
+        NODE_RANK=str(rank // per_node),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",  # what a killed rank printed is in its file, not lost in its buffer
+    )
+    # A session of its own: killing the rank's process group also ends what it started (data loader workers).
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _wait_for_first_failure(procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
+    """Wait until every rank has ended, or a rank failed :data:`GRACE` seconds ago; return whether ``timeout`` ran
+    out first."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes):
+            return False
+        now = time.monotonic()
+        if failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at >= GRACE:
+            return False
+        if now >= deadline:
+            return True
+        time.sleep(POLL)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> bool:
+    """Kill ``proc``'s process group if it is still running; return whether it was."""
+    if proc.poll() is not None:
+        return False
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended between the two looks
+        proc.wait()
+        return False
+    proc.wait()
+    return True
+
+
+def _read(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")

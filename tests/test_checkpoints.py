@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint.directory import is_checkpoint_dir, read_meta
 from tests.launch import launch
@@ -184,7 +183,3 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path: Path) -> 
     assert load(tmp_path / "after-crash.pt")["global_step"] == 6
     assert is_checkpoint_dir(tmp_path / "interrupted")
     assert not (tmp_path / ".interrupted.partial").exists()
-
-
-def test_public_names() -> None:
-    assert lightning_zero.consolidate_checkpoint is consolidate_checkpoint

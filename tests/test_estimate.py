@@ -14,7 +14,7 @@ from lightning_zero.__main__ import main
 from lightning_zero._core.report import format_report, memory_report, optimizer_kind
 from lightning_zero.estimate import count_parameters, estimate, format_bytes, format_table
 from lightning_zero.memory import ModelStateBytes
-from tests.launch import run_scenarios
+from tests.scenarios import Scenario, StrategySpec, run_scenarios
 
 GB = 1e9  # the paper's unit
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
@@ -151,23 +151,21 @@ def test_module_counted_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -
 # master weights (in stage 3 the fp32 shards are the masters, so parameters and gradients are fp32 there). Every
 # ZeRO run logs its memory report too, but the one with `memory_report=false`.
 MODULE_KWARGS = {"hidden": 256}
-MASTER = "master_weights=true"
-SILENT = "zero2:memory_report=false"
+SILENT = StrategySpec("zero2", {"memory_report": False})
 MEASURED = [
-    {"name": "fp32", "strategies": [*STRATEGIES, SILENT]},
-    {"name": "master", "strategies": [f"{s}:{MASTER}" for s in STRATEGIES[1:]],
-     "trainer_kwargs": {"precision": "bf16-true"}},
+    Scenario("fp32", module_kwargs=MODULE_KWARGS, max_steps=2, strategies=[*STRATEGIES, SILENT]),
+    Scenario("master", module_kwargs=MODULE_KWARGS, max_steps=2, trainer_kwargs={"precision": "bf16-true"},
+             strategies=[StrategySpec(s, {"master_weights": True}) for s in STRATEGIES[1:]]),
 ]  # fmt: skip
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    scenarios = [{**s, "module": "classifier", "module_kwargs": MODULE_KWARGS, "max_steps": 2} for s in MEASURED]
-    return run_scenarios(scenarios, 2, tmp_path_factory.mktemp("estimate"))
+    return run_scenarios(MEASURED, 2, tmp_path_factory.mktemp("estimate"))
 
 
-def expected_bytes(scenario: str, strategy: str, num_ranks: int) -> tuple[ModelStateBytes, int]:
+def expected_bytes(scenario: str, strategy: StrategySpec, num_ranks: int) -> tuple[ModelStateBytes, int]:
     """The estimate for a measured run, and by how much each category may differ from it: shards are split by rows,
     so a rank holds at most one row of each parameter more or less than 1/N (per tensor kept: up to two Adam moments
     of 4 bytes), plus one 4-byte step counter and one 4-byte gradient-presence flag per parameter."""
@@ -178,19 +176,22 @@ def expected_bytes(scenario: str, strategy: str, num_ranks: int) -> tuple[ModelS
     rows = sum(p[0].numel() if p.ndim else 1 for p in params)
     master = scenario == "master"
     precision = "bf16-true" if master else "32-true"
-    name = strategy.split(":")[0]
-    expected = estimate(num_params, num_ranks=num_ranks, precision=precision, master_weights=master)[name].per_rank
+    estimates = estimate(num_params, num_ranks=num_ranks, precision=precision, master_weights=master)
+    expected = estimates[strategy.name].per_rank
     return expected, 8 * rows + 4 * count
 
 
-@pytest.mark.parametrize(
-    ("scenario", "strategy"), [(s["name"], strategy) for s in MEASURED for strategy in s["strategies"]]
-)
-def test_estimate_matches_measured_bytes(measured: list[dict[Any, Any]], scenario: str, strategy: str) -> None:
+RUNS = [(s.name, strategy) for s in MEASURED for strategy in s.strategies]
+
+
+@pytest.mark.parametrize(("scenario", "strategy"), RUNS, ids=[f"{n}-{s}" for n, s in RUNS])
+def test_estimate_matches_measured_bytes(
+    measured: list[dict[Any, Any]], scenario: str, strategy: StrategySpec
+) -> None:
     """Every category on every rank within padding of the estimate."""
     expected, slack = expected_bytes(scenario, strategy, len(measured))
     for rank, per_rank in enumerate(measured):
-        got: ModelStateBytes = per_rank[(scenario, strategy)]["model_state"]
+        got: ModelStateBytes = per_rank[(scenario, strategy.label)]["model_state"]
         for category in CATEGORIES:
             diff = getattr(got, category) - getattr(expected, category)
             assert abs(diff) <= slack, f"rank {rank} {strategy} {category}: {got} vs {expected}"
@@ -213,18 +214,18 @@ def report_rows(report: str) -> dict[str, tuple[float, float, str]]:
     return rows
 
 
-REPORTED = [(s["name"], strategy) for s in MEASURED for strategy in s["strategies"] if strategy.startswith("zero")]
+REPORTED = [(name, strategy) for name, strategy in RUNS if strategy.name.startswith("zero") and strategy != SILENT]
 
 
-@pytest.mark.parametrize(("scenario", "strategy"), [r for r in REPORTED if r[1] != SILENT])
+@pytest.mark.parametrize(("scenario", "strategy"), REPORTED, ids=[f"{n}-{s}" for n, s in REPORTED])
 def test_memory_report_logged_after_the_first_step(
-    measured: list[dict[Any, Any]], scenario: str, strategy: str
+    measured: list[dict[Any, Any]], scenario: str, strategy: StrategySpec
 ) -> None:
     """Rank 0 logs one report per `fit`, after the first optimizer step: every category exists by then, its measured
     column is within padding of the estimator's bytes and its estimate column prints them. Other ranks log none."""
     expected, slack = expected_bytes(scenario, strategy, len(measured))
-    (report,) = measured[0][(scenario, strategy)]["memory_reports"]
-    assert report.startswith(f"Model state per rank of 136,197 parameters under `{strategy.split(':')[0]}` on 2 ranks:")
+    (report,) = measured[0][(scenario, strategy.label)]["memory_reports"]
+    assert report.startswith(f"Model state per rank of 136,197 parameters under `{strategy.name}` on 2 ranks:")
     assert "created" not in report, report
     rows = report_rows(report)
     assert set(rows) == set(CATEGORIES), report
@@ -232,13 +233,13 @@ def test_memory_report_logged_after_the_first_step(
         want = getattr(expected, category)
         assert printed_estimate == format_bytes(want), report
         assert abs(got - want) <= slack + rounding, f"{strategy} {category}: {got} vs {want}\n{report}"
-    assert [per_rank[(scenario, strategy)]["memory_reports"] for per_rank in measured[1:]] == [[]]
+    assert [per_rank[(scenario, strategy.label)]["memory_reports"] for per_rank in measured[1:]] == [[]]
 
 
 def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> None:
     """Silent on every rank, and the training is the one the report does not disturb: the weights are zero2's."""
-    assert [per_rank[("fp32", SILENT)]["memory_reports"] for per_rank in measured] == [[], []]
-    silent, reported = measured[0][("fp32", SILENT)]["state_dict"], measured[0][("fp32", "zero2")]["state_dict"]
+    assert [per_rank[("fp32", SILENT.label)]["memory_reports"] for per_rank in measured] == [[], []]
+    silent, reported = measured[0][("fp32", SILENT.label)]["state_dict"], measured[0][("fp32", "zero2")]["state_dict"]
     for key, value in reported.items():
         torch.testing.assert_close(silent[key], value, rtol=0, atol=0)
 

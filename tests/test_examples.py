@@ -1,4 +1,5 @@
-"""The example configs train end to end through `python -m example_modules fit` on 2 CPU processes, and learn."""
+"""The example configs train end to end through `python -m example_modules fit` on 2 CPU processes, and learn; so
+does the hand-written Fabric loop `python -m example_modules.fabric_gpt`."""
 
 from __future__ import annotations
 
@@ -14,10 +15,26 @@ import pytest
 import torch
 import yaml
 
+from example_modules import fabric_gpt
 from example_modules.gpt import GPTLanguageModel
+from lightning_zero._checkpoint.directory import is_checkpoint_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "example_modules" / "configs"
+LOSS_REPORT = re.compile(r"^train_loss start=(\S+) end=(\S+) steps=(\d+)$", re.MULTILINE)
+# A process group set up earlier in this pytest process leaves its rendezvous variables behind; an example must choose
+# its own port, as on a fresh machine.
+STALE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def fresh_env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in STALE}, "OMP_NUM_THREADS": "1"}
+
+
+def loss_report(output: str) -> tuple[float, float, int]:
+    report = LOSS_REPORT.search(output)
+    assert report is not None, output[-3000:]
+    return float(report[1]), float(report[2]), int(report[3])
 
 
 @pytest.mark.parametrize(
@@ -37,17 +54,10 @@ def test_example_config_trains(config: str, chance_loss: float, max_end_loss: fl
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
     ]  # fmt: skip
-    # A process group set up earlier in this pytest process leaves its rendezvous variables behind; the example must
-    # choose its own port, as on a fresh machine.
-    stale = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in stale}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
-    report = re.search(r"^train_loss start=(\S+) end=(\S+) steps=(\d+)$", proc.stdout, re.MULTILINE)
-    assert report is not None, proc.stdout[-3000:]
-    start, end, steps = float(report[1]), float(report[2]), int(report[3])
+    start, end, steps = loss_report(proc.stdout)
     assert steps == yaml.safe_load((CONFIGS / config).read_text())["trainer"]["max_steps"]
     assert abs(start - chance_loss) < 0.3, f"an untrained model should score near chance, {chance_loss:.3f}: {start}"
     assert end < max_end_loss, f"train_loss fell only from {start} to {end}"
@@ -74,3 +84,24 @@ def test_gpt_builds_its_layers_once_in_configure_model() -> None:
     assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.001
     assert abs(block.attn.proj.weight.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.0005  # scaled down with depth
     assert not block.attn.qkv.bias.any()
+
+
+def test_fabric_loop_trains_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """30 steps of the Fabric loop under ``zero3`` on 2 CPU processes: the loss falls well below chance and the
+    checkpoint directory is written; the same command under ``zero2`` in one process (this one) resumes from it and
+    continues where it stopped."""
+    checkpoint = tmp_path / "checkpoint"
+    cmd = [sys.executable, "-m", "example_modules.fabric_gpt", "--strategy", "zero3", "--devices", "2",
+           "--steps", "30", "--checkpoint", str(checkpoint)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    start, end, steps = loss_report(proc.stdout)
+    assert steps == 30 and abs(start - math.log(256)) < 0.3, start
+    assert end < start - 1.0, f"train_loss fell only from {start} to {end}"
+    assert is_checkpoint_dir(checkpoint)
+
+    fabric_gpt.main(["--strategy", "zero2", "--devices", "1", "--steps", "32", "--checkpoint", str(checkpoint)])
+    output = capsys.readouterr().out
+    assert f"resumed from {checkpoint} at step 30" in output
+    resumed_start, _, resumed_steps = loss_report(output)
+    assert resumed_steps == 2 and resumed_start < start - 1.0, resumed_start

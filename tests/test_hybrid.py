@@ -14,7 +14,7 @@ import torch
 from lightning_zero.__main__ import main
 from lightning_zero.estimate import estimate, format_bytes
 from tests.launch import launch
-from tests.test_parity import close
+from tests.oracle import close
 
 WORKER = "tests.workers.hybrid"
 

@@ -4,17 +4,17 @@ stage without offload. On a CPU machine the offloaded path still runs its own co
 host step, memory-mapped state files.
 
 Tolerance: the offloaded step runs torch's fused CPU kernels where the in-memory one runs the multi-tensor kernels,
-the same formulas evaluated in another order (about 1 ulp per step, 6e-8 seen), far inside the parity tolerance of
-tests/test_parity.py, which compares the gradient reductions' own ulps.
+the same formulas evaluated in another order (about 1 ulp per step, 6e-8 seen), far inside the fp32 tolerance of
+tests/oracle.py, which covers the gradient reductions' own ulps.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,91 +24,77 @@ import torch
 
 from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy
 from lightning_zero._offload.target import OffloadTarget
-from tests.launch import REPO, launch, run_scenarios
-from tests.test_parity import close, compare_runs
-from tests.test_precision import TOLERANCE
+from tests.launch import REPO, launch
+from tests.oracle import BY_PRECISION, close, compare_runs
+from tests.scenarios import Scenario, StrategySpec, read_results, run_scenarios, write_payload
 
-DISK = "offload_optimizer=disk,offload_dir=@"  # @: the test's own directory
+HOST1 = StrategySpec("zero1", {"offload_optimizer": True})
+HOST3 = StrategySpec("zero3", {"offload_optimizer": True})
+# the state files' directory is the test's own, given at run time (`on_disk`); the label stays
+DISK2 = StrategySpec("zero2", {"offload_optimizer": "disk"}, label="zero2_disk")
+DISK3 = StrategySpec("zero3", {"offload_optimizer": "disk"}, label="zero3_disk")
+MASTERS2, MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True}) for s in (2, 3))
+HOST_MASTERS2, HOST_MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True, **HOST1.options}) for s in (2, 3))
+
+SCENARIOS = [
+    Scenario("adam", strategies=["ddp", HOST1, "zero2_offload", DISK2, HOST3, "zero3_offload", DISK3]),
+    Scenario(
+        "clip_accumulate",
+        trainer_kwargs={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+        max_steps=4,
+        strategies=["ddp", HOST1, "zero2_offload", "zero3_offload"],
+    ),
+    Scenario(  # momentum state and the scheduler go through a checkpoint; resumed in a fresh Trainer and module
+        "sgd_scheduler_resume",
+        module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"},
+        resume_at=12,
+        max_steps=14,
+        strategies=["ddp", "zero2_offload", DISK2, "zero3_offload"],
+    ),
+    Scenario("manual", module="manual", strategies=["ddp", "zero2_offload", "zero3_offload"]),
+    # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
+    Scenario("bf16_masters_zero2", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS2, HOST_MASTERS2]),
+    Scenario("bf16_masters_zero3", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS3, HOST_MASTERS3]),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
 
 
-def scenarios() -> list[dict[str, Any]]:
-    disk = DISK
-    return [
-        {
-            "name": "adam",
-            "module": "classifier",
-            "strategies": [
-                "ddp",
-                "zero1:offload_optimizer=true",
-                "zero2_offload",
-                f"zero2:{disk}",
-                "zero3:offload_optimizer=true",
-                "zero3_offload",
-                f"zero3:{disk}",
-            ],
-        },
-        {
-            "name": "clip_accumulate",
-            "module": "classifier",
-            "trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
-            "max_steps": 4,
-            "strategies": ["ddp", "zero1:offload_optimizer=true", "zero2_offload", "zero3_offload"],
-        },
-        {  # momentum state and the scheduler go through a checkpoint; resumed in a fresh Trainer and module
-            "name": "sgd_scheduler_resume",
-            "module": "classifier",
-            "module_kwargs": {"optimizer": "sgd", "scheduler": "step", "config_style": "dict"},
-            "resume_at": 12,
-            "max_steps": 14,
-            "strategies": ["ddp", "zero2_offload", f"zero2:{disk}", "zero3_offload"],
-        },
-        {"name": "manual", "module": "manual", "strategies": ["ddp", "zero2_offload", "zero3_offload"]},
-        {  # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
-            "name": "bf16_masters_zero2",
-            "module": "classifier",
-            "trainer_kwargs": {"precision": "bf16-true"},
-            "strategies": ["zero2:master_weights=true", "zero2:master_weights=true,offload_optimizer=true"],
-        },
-        {
-            "name": "bf16_masters_zero3",
-            "module": "classifier",
-            "trainer_kwargs": {"precision": "bf16-true"},
-            "strategies": ["zero3:master_weights=true", "zero3:master_weights=true,offload_optimizer=true"],
-        },
-    ]
+def on_disk(spec: StrategySpec, state_dir: Path) -> StrategySpec:
+    """``spec`` with its state files in ``state_dir`` if it keeps optimizer state on disk; its label unchanged."""
+    if spec.options.get("offload_optimizer") != "disk":
+        return spec
+    return replace(spec, options={**spec.options, "offload_dir": state_dir})
 
 
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    """Each rank's results, keyed by scenario name and strategy as written in ``scenarios()``."""
+    """Each rank's results, keyed by scenario name and strategy label."""
     tmp = tmp_path_factory.mktemp("offload")
     state_dir = tmp / "state"
     state_dir.mkdir()
-    specs = scenarios()
-    for spec in specs:
-        spec["strategies"] = [s.replace("@", str(state_dir)) for s in spec["strategies"]]
+    specs = [replace(s, strategies=tuple(on_disk(x, state_dir) for x in s.strategies)) for s in SCENARIOS]
     results = run_scenarios(specs, 2, tmp)
     assert not any(state_dir.iterdir()), "state files outlived training"
-    return [{(name, s.replace(str(state_dir), "@")): run for (name, s), run in r.items()} for r in results]
+    return results
 
 
-PAIRS = [(s["name"], strategy) for s in scenarios() for strategy in s["strategies"][1:]]
+PAIRS = [(s.name, strategy) for s in SCENARIOS for strategy in s.compared]
 
 
-@pytest.mark.parametrize(("name", "strategy"), PAIRS)
-def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strategy: str) -> None:
+@pytest.mark.parametrize(("name", "strategy"), PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
+def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strategy: StrategySpec) -> None:
     results = offload_runs
-    spec = next(s for s in scenarios() if s["name"] == name)
+    spec = BY_NAME[name]
     if "bf16" not in name:
         compare_runs(results, spec, strategy)
         return
     # 16-bit module weights round the (equal within ulps) fp32 masters; the masters themselves compare in fp32
-    rtol, atol = TOLERANCE["bf16-true"]
+    tolerance = BY_PRECISION["bf16-true"]
     for rank, per_rank in enumerate(results):
-        expected, actual = per_rank[(name, spec["strategies"][0])], per_rank[(name, strategy)]
+        expected, actual = per_rank[(name, spec.reference.label)], per_rank[(name, strategy.label)]
         close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{name}/rank{rank} losses")
         for key, value in expected["state_dict"].items():
-            torch.testing.assert_close(actual["state_dict"][key].float(), value.float(), rtol=rtol, atol=atol)
+            close(actual["state_dict"][key], value, f"{name}/rank{rank} {key}", tolerance)
         for got, want in zip(actual.get("masters", []), expected.get("masters", []), strict=True):
             close(got, want, f"{name}/rank{rank} master")
 
@@ -120,7 +106,7 @@ def test_stage_1_2_step_on_separate_host_masters(offload_runs: list[dict[Any, An
 
     results = offload_runs
     names = [name for name, _ in Classifier().named_parameters()]
-    for strategy in ("zero1:offload_optimizer=true", "zero2_offload"):
+    for strategy in (HOST1.label, "zero2_offload"):
         run = results[0][("adam", strategy)]
         assert run["model_state"].master_weights > 0, strategy
         for name, master in zip(names, run["masters"], strict=True):
@@ -129,21 +115,19 @@ def test_stage_1_2_step_on_separate_host_masters(offload_runs: list[dict[Any, An
 
 def test_one_device_offloads(tmp_path: Path) -> None:
     """On one device offload still runs (that is what it is for): same result as plain training, host masters."""
-    strategies = ["ddp", "zero1:offload_optimizer=true", "zero2_offload", "zero3_offload"]
-    spec = {"name": "adam", "module": "classifier", "strategies": strategies}
+    spec = Scenario("adam", strategies=["ddp", HOST1, "zero2_offload", "zero3_offload"])
     results = run_scenarios([spec], 1, tmp_path)
-    for strategy in strategies[1:]:
+    for strategy in spec.compared:
         compare_runs(results, spec, strategy)
     assert results[0][("adam", "zero2_offload")]["model_state"].master_weights > 0
 
 
-def resident(strategy: str, tmp_path: Path, offload_dir: Path) -> list[dict[str, Any]]:
-    out = tmp_path / strategy.split(":")[0] / str(len(list(tmp_path.iterdir())))
+def resident(strategy: StrategySpec, tmp_path: Path, offload_dir: Path) -> list[dict[str, Any]]:
+    out = tmp_path / strategy.name / str(len(list(tmp_path.iterdir())))
     out.mkdir(parents=True)
-    spec = {"strategy": strategy, "world_size": 2, "hidden": 2048, "offload_dir": str(offload_dir)}
-    (out / "spec.json").write_text(json.dumps(spec))
-    launch("tests.workers.offload_memory", [str(out / "spec.json"), str(out)], 2)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    write_payload(out, strategy=strategy, world_size=2, hidden=2048, offload_dir=offload_dir)
+    launch("tests.workers.offload_memory", [str(out)], 2)
+    return read_results(out, 2)
 
 
 def test_disk_state_is_not_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,9 +138,9 @@ def test_disk_state_is_not_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     offload_dir = tmp_path / "state"
     offload_dir.mkdir()
-    in_memory = resident("zero2:offload_optimizer=true", tmp_path, offload_dir)
-    on_disk = resident(f"zero2:{DISK.replace('@', str(offload_dir))}", tmp_path, offload_dir)
-    for rank, (memory, disk) in enumerate(zip(in_memory, on_disk, strict=True)):
+    in_memory = resident(StrategySpec("zero2", {"offload_optimizer": True}), tmp_path, offload_dir)
+    in_files = resident(on_disk(DISK2, offload_dir), tmp_path, offload_dir)
+    for rank, (memory, disk) in enumerate(zip(in_memory, in_files, strict=True)):
         state = memory["state_bytes"]
         assert state == disk["state_bytes"] > 30 * 2**20  # Adam's moments of this rank's 4.2 M elements
         assert disk["file_rss"] == 0, f"rank {rank}: {disk['file_rss']} bytes of state files still resident"

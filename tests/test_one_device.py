@@ -9,8 +9,8 @@ tests/test_parity.py and tests/test_zero3.py prove on several CPU processes.
 
 Tolerances: with one rank nothing is reduced in another order, so fp32 runs differ from DDP only by kernel choices
 (the sharded optimizer runs multi-tensor kernels on shards), the parity tolerance of tests/test_parity.py; the
-ZeRO mixed-precision runs (bf16 module, fp32 masters) are held to fp32 DDP within bf16 rounding, as in
-tests/test_gpu.py.
+ZeRO mixed-precision runs (bf16 module, fp32 masters) are held to fp32 DDP within bf16 rounding
+(``tests.oracle.MASTER_WEIGHTS``), as in tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
 from lightning_zero._core import EngineMode, FullyShardMode
-from tests.test_parity import close
+from tests.oracle import MASTER_WEIGHTS, Tolerance, close
 from tests.workers.modules import Classifier
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -54,18 +54,13 @@ def weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu() for k, v in state.items()}
 
 
-def assert_same(
-    actual: pl.Trainer, expected: pl.Trainer, what: str, rtol: float | None = None, atol: float = 0
-) -> None:
-    losses = torch.tensor(actual.lightning_module.losses), torch.tensor(expected.lightning_module.losses)
+def assert_same(actual: pl.Trainer, expected: pl.Trainer, what: str, tolerance: Tolerance | None = None) -> None:
+    """Weights as DDP's, within ``tolerance`` (the fp32 one by default, which the losses are held to as well)."""
+    if tolerance is None:
+        close(torch.tensor(actual.lightning_module.losses), torch.tensor(expected.lightning_module.losses), what)
     want = weights(expected)
-    if rtol is None:
-        close(*losses, f"{what} loss")
-        for key, value in weights(actual).items():
-            close(value, want[key], f"{what} {key}")
-        return
     for key, value in weights(actual).items():
-        torch.testing.assert_close(value, want[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{what} {k}: {m}")
+        close(value, want[key], f"{what} {key}", *(() if tolerance is None else (tolerance,)))
 
 
 def assert_sharded_path(trainer: pl.Trainer, stage: int, device: str) -> None:
@@ -98,7 +93,7 @@ def test_fp32_masters_of_a_bf16_module(device: str, stage: int) -> None:
     reference = train(device, "ddp", steps=3)
     trainer = train(device, sharded(stage, master_weights=True), steps=3, precision="bf16-true")
     assert_sharded_path(trainer, stage, device)
-    assert_same(trainer, reference, f"zero{stage} masters on {device}", rtol=2e-2, atol=3.5e-2)
+    assert_same(trainer, reference, f"zero{stage} masters on {device}", MASTER_WEIGHTS)
 
 
 @pytest.mark.parametrize("device", DEVICES)

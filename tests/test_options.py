@@ -2,22 +2,94 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
+from lightning_zero._offload.target import OffloadTarget
 from tests.workers.modules import Classifier
 
+# each public name of the package, and the module that defines it
+PUBLIC = {
+    "CheckpointError": "lightning_zero._checkpoint.directory",
+    "OffloadError": "lightning_zero._offload.target",
+    "Zero1Strategy": "lightning_zero.pytorch.strategy",
+    "Zero2Strategy": "lightning_zero.pytorch.strategy",
+    "Zero3Strategy": "lightning_zero.pytorch.strategy",
+    "ZeroStrategy": "lightning_zero.pytorch.strategy",
+    "consolidate_checkpoint": "lightning_zero.consolidate",
+}
+FABRIC_PUBLIC = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy"]
+# each registered name: its stage and the options it sets
+NAMES = {
+    "zero1": (1, {}),
+    "zero2": (2, {}),
+    "zero3": (3, {}),
+    "zero2_offload": (2, {"offload_optimizer": True}),
+    "zero3_offload": (3, {"offload_optimizer": True, "offload_parameters": True}),
+}
+FRONT_ENDS = {"trainer": (StrategyRegistry, "lightning_zero.pytorch.strategy"),
+              "fabric": (FABRIC_STRATEGIES, "lightning_zero.fabric.strategy")}  # fmt: skip
 
-def test_names_are_registered_on_import() -> None:
-    assert StrategyRegistry["zero1"]["strategy"] is Zero1Strategy
-    assert StrategyRegistry["zero2"]["strategy"] is Zero2Strategy
-    assert lightning_zero.ZeroStrategy(stage=1).stage == 1
+
+def test_public_names() -> None:
+    """``__all__`` lists exactly the package's public classes and functions (and the ``fabric`` front end), each the
+    object its implementation module defines; ``lightning_zero.fabric.__all__`` its strategy classes likewise."""
+    defined_here = {
+        name
+        for name, value in vars(lightning_zero).items()
+        if not name.startswith("_")
+        and (inspect.isclass(value) or inspect.isfunction(value))
+        and value.__module__.startswith("lightning_zero")
+    }
+    assert sorted(lightning_zero.__all__) == sorted([*PUBLIC, "fabric"])
+    assert defined_here == set(PUBLIC)
+    for name, module in PUBLIC.items():
+        value = getattr(lightning_zero, name)
+        assert value is getattr(importlib.import_module(module), name) and value.__module__ == module, name
+    assert lightning_zero.fabric is importlib.import_module("lightning_zero.fabric")
+    assert sorted(lightning_zero.fabric.__all__) == FABRIC_PUBLIC
+    for name in FABRIC_PUBLIC:
+        value = getattr(lightning_zero.fabric, name)
+        assert value.__module__ == "lightning_zero.fabric.strategy" and value.__qualname__ == name
+        assert value is not getattr(lightning_zero, name)  # each front end has its own classes
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_names_are_registered_on_import(front_end: str, name: str) -> None:
+    """Each name resolves, in the registry of each front end, to that front end's class of its stage, with its
+    options."""
+    registry, module = FRONT_ENDS[front_end]
+    stage, options = NAMES[name]
+    entry = registry[name]
+    expected = getattr(importlib.import_module(module), f"Zero{stage}Strategy")
+    assert entry["strategy"] is expected and entry["init_params"] == options
+    assert expected.default_stage == stage
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_front_ends_build_the_registered_classes(name: str) -> None:
+    """``Trainer(strategy=name)`` and ``Fabric(strategy=name)`` build the class of their front end, configured."""
+    stage, options = NAMES[name]
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    fabric = Fabric(strategy=name, accelerator="cpu", devices=2)
+    for front_end, strategy in (("trainer", trainer.strategy), ("fabric", fabric.strategy)):
+        _, module = FRONT_ENDS[front_end]
+        assert type(strategy) is getattr(importlib.import_module(module), f"Zero{stage}Strategy"), front_end
+        assert strategy.stage == stage and strategy.world_size == 2
+        offloaded = options.get("offload_optimizer", False)
+        assert strategy.config.offload is (OffloadTarget.CPU if offloaded else OffloadTarget.DEVICE)
+        assert strategy.config.offload_parameters is options.get("offload_parameters", False)
 
 
 def test_trainer_resolves_names() -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.launch import launch, run_scenarios
-from tests.test_parity import compare_runs
+from tests.launch import launch
+from tests.oracle import compare_runs
+from tests.scenarios import Scenario, run_scenarios
 
 
 def run_checks(check: str, world_size: int, tmp_path: Path) -> list[list[str] | None]:
@@ -53,11 +53,11 @@ def test_strategies_match_ddp_through_point_to_point_exchanges(
 ) -> None:
     """With shared memory off, gloo groups use this package's point-to-point exchanges, as across hosts."""
     monkeypatch.setenv("LIGHTNING_ZERO_SHM_DISABLE", "1")
-    scenarios: list[dict[str, Any]] = [
-        {"name": "adam", "module": "classifier", "strategies": ["ddp", "zero1", "zero2"]},
-        {"name": "tied", "module": "tied_lm", "strategies": ["ddp", "zero3"]},
+    scenarios = [
+        Scenario("adam", strategies=["ddp", "zero1", "zero2"]),
+        Scenario("tied", module="tied_lm", strategies=["ddp", "zero3"]),
     ]
-    results = run_scenarios([dict(s) for s in scenarios], 2, tmp_path)
+    results = run_scenarios(scenarios, 2, tmp_path)
     for spec in scenarios:
-        for strategy in spec["strategies"][1:]:
+        for strategy in spec.compared:
             compare_runs(results, spec, strategy)

@@ -1,6 +1,6 @@
 """Stage 3 against DDP: the same seeded LightningModules, written for DDP, trained on 2 and 3 CPU processes under
 ``"zero3"`` (and variants with other wrap policies and activation checkpointing) must end with the same parameters,
-buffers, optimizer state, losses and metrics, with the tolerances (and their rationale) of tests/test_parity.py.
+buffers, optimizer state, losses and metrics, with the fp32 tolerance (and its rationale) of tests/oracle.py.
 Stage 3 keeps each parameter as a ``Shard(0)`` DTensor, so the test reassembles every parameter from the shards of
 all ranks, which also checks how they were split. Memory is measured by walking tensors, never from RSS.
 """
@@ -29,17 +29,27 @@ from lightning_zero._wrap import (
     choose_units,
     resolve_policy,
 )
-from tests.launch import launch, run_scenarios
-from tests.test_parity import ATOL, RTOL, close, compare_optimizer_states
-from tests.workers.modules_zero3 import Block, TiedLM
+from tests.launch import launch
+from tests.oracle import FP32, close, compare_optimizer_states
+from tests.scenarios import Scenario, StrategySpec, run_scenarios
+from tests.workers.modules_zero3 import Block, TiedLM, blocks_only
 
 UNUSED_OK = "ddp_find_unused_parameters_true"
-VARIANTS = ["zero3", "zero3_linear_units", "zero3_min_params", "zero3_callable", "zero3_checkpointed"]
+CHECKPOINTED = {"activation_checkpointing": True}
+VARIANTS = [
+    StrategySpec("zero3"),
+    StrategySpec("zero3", {"auto_wrap_policy": {"torch.nn.Linear"}}, label="zero3_linear_units"),
+    StrategySpec("zero3", {"auto_wrap_policy": 1000, "activation_checkpointing": {Block}}, label="zero3_min_params"),
+    StrategySpec("zero3", {"auto_wrap_policy": blocks_only}, label="zero3_callable"),
+    StrategySpec("zero3", CHECKPOINTED, label="zero3_checkpointed"),
+]
+STAGES_1_2_CHECKPOINTED = [StrategySpec(f"zero{s}", CHECKPOINTED, label=f"zero{s}_checkpointed") for s in (1, 2)]
+ZERO2 = StrategySpec("zero2")
 MEMORY = {"width": 64, "depth": 6, "probe_memory": True}
 
 
-def scenario(name: str, module: str = "classifier", strategies: list[str] | None = None, **fields: Any) -> dict:
-    return {"name": name, "module": module, "strategies": strategies or ["ddp", "zero3"], **fields}
+def scenario(name: str, module: str = "classifier", strategies: list[Any] | None = None, **fields: Any) -> Scenario:
+    return Scenario(name, module=module, strategies=strategies or ["ddp", "zero3"], **fields)
 
 
 SCENARIOS = [
@@ -47,10 +57,10 @@ SCENARIOS = [
     scenario(
         "tied_lm",
         "tied_lm",
-        ["ddp", *VARIANTS, "zero1_checkpointed", "zero2_checkpointed"],
+        ["ddp", *VARIANTS, *STAGES_1_2_CHECKPOINTED],
         limit_val_batches=2,
         trainer_kwargs={"val_check_interval": 3},
-        after_fit=["validate", "test", "predict"],
+        after_fit=("validate", "test", "predict"),
     ),
     # a global norm over the shards of several units, gradients kept per unit across micro-batches (no-sync)
     scenario(
@@ -74,26 +84,26 @@ SCENARIOS = [
         module_kwargs={"batch_norm": True},
         limit_val_batches=2,
         trainer_kwargs={"val_check_interval": 3},
-        after_fit=["validate", "test", "predict"],
+        after_fit=("validate", "test", "predict"),
     ),
     scenario("manual_one", "manual"),
     scenario("manual_two_optimizers", "manual", [UNUSED_OK, "zero3"], module_kwargs={"two_optimizers": True}),
     # checkpoints: saved at step 4, resumed in a fresh Trainer and module, compared with the same under DDP
     scenario("resume", "tied_lm", module_kwargs={"scheduler": True}, resume_at=4, max_steps=6),
-    scenario("resume_from_ddp_file", "tied_lm", resume_at=4, max_steps=6, save_with="ddp"),
-    scenario("resume_from_zero2_dir", "tied_lm", ["zero2", "zero3"], resume_at=4, max_steps=6, save_with="zero2"),
+    scenario("resume_from_ddp_file", "tied_lm", resume_at=4, max_steps=6, save_with=StrategySpec("ddp")),
+    scenario("resume_from_zero2_dir", "tied_lm", ["zero2", "zero3"], resume_at=4, max_steps=6, save_with=ZERO2),
     # layers built in configure_model: created on the meta device, materialised shard by shard
     scenario("configure_model", "tied_lm", module_kwargs={"build_in_configure_model": True}),
     scenario("memory", "tied_lm", module_kwargs=MEMORY, max_steps=2),
 ]
-NAMES = [s["name"] for s in SCENARIOS]
-PAIRS = [(s["name"], strategy) for s in SCENARIOS for strategy in s["strategies"][1:]]
+BY_NAME = {s.name: s for s in SCENARIOS}
+PAIRS = [(s.name, strategy.label) for s in SCENARIOS for strategy in s.compared]
 MEASURED = ("_bytes", "block_forward_calls")  # callback metrics compared by the memory and checkpointing tests
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}procs")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    return run_scenarios([dict(s) for s in SCENARIOS], request.param, tmp_path_factory.mktemp("zero3"))
+    return run_scenarios(SCENARIOS, request.param, tmp_path_factory.mktemp("zero3"))
 
 
 def whole(results: list[dict[Any, Any]], run: tuple[str, str], key: str, rank: int) -> torch.Tensor:
@@ -109,8 +119,8 @@ def whole(results: list[dict[Any, Any]], run: tuple[str, str], key: str, rank: i
 
 @pytest.mark.parametrize(("name", "strategy"), PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
 def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: str) -> None:
-    spec = next(s for s in SCENARIOS if s["name"] == name)
-    reference = spec["strategies"][0]
+    spec = BY_NAME[name]
+    reference = spec.reference.label
     for rank, per_rank in enumerate(results):
         expected, actual = per_rank[(name, reference)], per_rank[(name, strategy)]
         what = f"{name}/{strategy}/rank{rank}"
@@ -125,14 +135,14 @@ def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: s
         assert actual["lrs"] == expected["lrs"]
         metrics = {k: v for k, v in expected["callback_metrics"].items() if not k.endswith(MEASURED)}
         for key, value in metrics.items():
-            assert actual["callback_metrics"][key] == pytest.approx(value, rel=RTOL, abs=ATOL), f"{what} {key}"
-        for fn in spec.get("after_fit", []):
+            assert actual["callback_metrics"][key] == FP32.approx(value), f"{what} {key}"
+        for fn in spec.after_fit:
             if fn == "predict":
                 close(actual["predict"], expected["predict"], f"{what} predict")
             else:  # one dict of logged metrics per dataloader (`approx` does not reach into a list of dicts)
                 assert len(actual[fn]) == len(expected[fn])
                 for got, want in zip(actual[fn], expected[fn], strict=True):
-                    assert got == pytest.approx(want, rel=RTOL, abs=ATOL), f"{what} {fn}"
+                    assert got == FP32.approx(want), f"{what} {fn}"
 
 
 def test_training_moved_the_weights(results: list[dict[Any, Any]]) -> None:

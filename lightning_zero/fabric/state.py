@@ -2,7 +2,8 @@
 checkpoint the Trainer writes, and back.
 
 A Trainer checkpoint names the module's state ``"state_dict"`` and lists the optimizers' in ``"optimizer_states"``;
-a Fabric checkpoint is written the same way, with Lightning's version (the Trainer wants it), every other entry of
+a Fabric checkpoint is written the same way, with what the Trainer insists on when it resumes (Lightning's version,
+and an empty ``"lr_schedulers"``: a Fabric loop keeps its schedulers among its own entries), every other entry of
 ``state`` under its own name, and a record of the names the module and optimizers had (:data:`RECORD`). So a
 checkpoint of either front end loads in the other: the module gets ``"state_dict"``, the optimizers
 ``"optimizer_states"`` by their saved names or, without a record, in order.
@@ -24,8 +25,8 @@ from torch.optim import Optimizer
 from lightning_zero._checkpoint.directory import CheckpointError, read_meta
 
 RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
-_MODEL, _OPTIMIZERS = "state_dict", "optimizer_states"
-_RESERVED = (_MODEL, _OPTIMIZERS, RECORD, "pytorch-lightning_version")
+_MODEL, _OPTIMIZERS, _SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
+_RESERVED = (_MODEL, _OPTIMIZERS, _SCHEDULERS, RECORD, "pytorch-lightning_version")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class FabricState:
         filter: dict[str, Callable[[str, Any], bool]],
     ) -> dict[str, Any]:
         """The checkpoint of ``state``, given its module's and optimizers' states as the mode makes them."""
-        checkpoint: dict[str, Any] = {"pytorch-lightning_version": lightning.__version__}
+        checkpoint: dict[str, Any] = {"pytorch-lightning_version": lightning.__version__, _SCHEDULERS: []}
         for key, value in state.items():
             if key != self.module_key and key not in self.optimizers:
                 _apply_filter(key, filter, value.state_dict() if isinstance(value, _Stateful) else value, checkpoint)

@@ -9,12 +9,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
 
 
 def token_data(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
@@ -212,16 +209,6 @@ class TiedLM(LightningModule):
 MODULES_ZERO3 = {"tied_lm": TiedLM}
 
 
-def _blocks_only(module: nn.Module, name: str) -> bool:
+def blocks_only(module: nn.Module, name: str) -> bool:
+    """A wrap policy as a function (the blocks, by name), for the stage-3 variants of tests/test_zero3.py."""
     return name.startswith("blocks.") and name.count(".") == 1
-
-
-for _name, _cls, _options in [
-    ("zero1_checkpointed", Zero1Strategy, {"activation_checkpointing": True}),
-    ("zero2_checkpointed", Zero2Strategy, {"activation_checkpointing": True}),
-    ("zero3_checkpointed", Zero3Strategy, {"activation_checkpointing": True}),
-    ("zero3_linear_units", Zero3Strategy, {"auto_wrap_policy": {"torch.nn.Linear"}}),
-    ("zero3_min_params", Zero3Strategy, {"auto_wrap_policy": 1000, "activation_checkpointing": {Block}}),
-    ("zero3_callable", Zero3Strategy, {"auto_wrap_policy": _blocks_only}),
-]:
-    StrategyRegistry.register(_name, _cls, description=f"test variant: {_options}", override=True, **_options)

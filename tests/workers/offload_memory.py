@@ -3,7 +3,6 @@ process's resident memory and the bytes of optimizer state it keeps, for tests/t
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_zero.memory import storage_bytes
+from tests.scenarios import read_payload, save_results
 from tests.workers.modules import Classifier
-from tests.workers.parity import full, make_strategy
+from tests.workers.parity import full
 
 
 def resident_bytes() -> int:
@@ -53,13 +53,14 @@ class Record(pl.Callback):
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[1])
+    spec = read_payload(out_dir)
     pl.seed_everything(0)
-    record = Record(spec["offload_dir"])
+    record = Record(str(spec["offload_dir"]))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=spec["world_size"],
-        strategy=make_strategy(spec["strategy"]),
+        strategy=spec["strategy"].for_trainer(),
         max_steps=2,
         callbacks=[record],
         logger=False,
@@ -68,7 +69,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Classifier(hidden=spec["hidden"]))
-    torch.save(record.result, Path(sys.argv[2]) / f"rank{trainer.global_rank}.pt")
+    save_results(out_dir, trainer.global_rank, record.result)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ saves what rank 0 ends with, and what every rank measured, for the test to compa
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,9 +13,11 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_zero import ZeroStrategy
 from lightning_zero.memory import engine_of, measure
+from tests.scenarios import Scenario, StrategySpec, read_payload, save_results
 from tests.workers.modules import MODULES
+
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
 
 
 class LogRecorder(logging.Handler):
@@ -74,12 +76,11 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     return storage_bytes(tensors)
 
 
-def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any]:
-    resume_at = scenario.get("resume_at")
+def run(scenario: Scenario, strategy: StrategySpec, out_dir: Path) -> dict[str, Any]:
     ckpt_path = None
-    if resume_at is not None:  # train part of the way, save, and resume in a fresh Trainer and module
-        first, _ = fit(scenario, scenario.get("save_with", strategy), max_steps=resume_at)
-        ckpt_path = out_dir / f"{scenario['name']}-{strategy}.ckpt"
+    if scenario.resume_at is not None:  # train part of the way, save, and resume in a fresh Trainer and module
+        first, _ = fit(scenario, scenario.save_with or strategy, max_steps=scenario.resume_at)
+        ckpt_path = out_dir / f"{scenario.name}-{strategy.file_name}.ckpt"
         first.save_checkpoint(ckpt_path)
     recorder = LogRecorder()
     lightning_logger = logging.getLogger("lightning.pytorch")
@@ -106,7 +107,7 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
         result["masters"] = [s.shard.detach().full_tensor() for s in engine.sharded]
     if hasattr(module, "report"):
         result.update(module.report())
-    for fn in scenario.get("after_fit", []):
+    for fn in scenario.after_fit:
         if fn == "predict":
             preds = trainer.predict(module)
             result["predict"] = torch.cat(preds) if preds else None
@@ -115,40 +116,29 @@ def run(scenario: dict[str, Any], strategy: str, out_dir: Path) -> dict[str, Any
     return result
 
 
-def make_strategy(name: str) -> Any:
-    """``"zero2:master_weights=true,reduce_dtype=float32"`` -> a configured ``ZeroStrategy``; names stay names."""
-    if ":" not in name:
-        return name
-    base, options = name.split(":", 1)
-    kwargs: dict[str, Any] = {}
-    for option in options.split(","):
-        key, value = option.split("=")
-        kwargs[key] = {"true": True, "false": False}.get(value, value)
-    return ZeroStrategy(stage=int(base.removeprefix("zero")), **kwargs)
-
-
 def fit(
-    scenario: dict[str, Any], strategy: str, max_steps: int | None = None, ckpt_path: Path | None = None
+    scenario: Scenario, strategy: StrategySpec, max_steps: int | None = None, ckpt_path: Path | None = None
 ) -> tuple[pl.Trainer, MemoryProbe]:
-    pl.seed_everything(scenario.get("seed", 0), workers=True)
-    module = MODULES[scenario["module"]](**scenario.get("module_kwargs", {}))
+    pl.seed_everything(scenario.seed, workers=True)
+    module = MODULES[scenario.module](**scenario.module_kwargs)
     trainer_kwargs = dict(
         accelerator="cpu",
-        devices=int(scenario["world_size"]),
-        strategy=make_strategy(strategy),
-        max_steps=max_steps or scenario.get("max_steps", 6),
+        devices=WORLD_SIZE,
+        strategy=strategy.for_trainer(),
+        max_steps=max_steps or scenario.max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=scenario.get("limit_val_batches", 0),
+        limit_val_batches=scenario.limit_val_batches,
     )
-    trainer_kwargs.update(scenario.get("trainer_kwargs", {}))
+    trainer_kwargs.update(scenario.trainer_kwargs)
     probe = MemoryProbe()
     trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, probe
+
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor, gathered if sharded (stage 3 keeps DTensor parameters)."""
@@ -156,13 +146,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
+    out_dir = Path(sys.argv[1])
     results = {}
-    for scenario in spec:
-        for strategy in scenario["strategies"]:
-            results[(scenario["name"], strategy)] = run(scenario, strategy, out_dir)
-    torch.save(results, out_dir / f"rank{torch.distributed.get_rank()}.pt")
+    for scenario in read_payload(out_dir)["scenarios"]:
+        for strategy in scenario.strategies:
+            results[(scenario.name, strategy.label)] = run(scenario, strategy, out_dir)
+    save_results(out_dir, torch.distributed.get_rank(), results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,243 @@
+"""Typed scenarios for the multi-process tests, for both front ends, and how they travel to the workers.
+
+Vocabulary:
+
+- **strategy spec** (:class:`StrategySpec`): a name in Lightning's strategy registry (``"ddp"``, ``"zero2"``,
+  ``"zero3_offload"``, ...) and options for its class; each worker builds it from the registry of its front end
+  (:meth:`StrategySpec.for_trainer`, :meth:`StrategySpec.for_fabric`). Its ``label`` names its runs in the results.
+- **scenario**: what to train, and under which strategies: the first is the reference (the oracle of
+  :mod:`tests.oracle`), the others are compared with it. :class:`Scenario` drives a ``Trainer``
+  (``tests/workers/parity.py``), :class:`FabricScenario` a hand-written Fabric loop (``tests/workers/fabric.py``).
+- **results**: one dict per rank, each run's record under ``(scenario name, strategy label)``, such as
+  ``("memory", "zero2")``.
+
+Scenarios are pickled to the workers (:func:`run_scenarios`), so options may hold classes and module-level functions.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry as TRAINER_STRATEGIES
+
+import lightning_zero  # noqa: F401  (registers the "zero*" names the specs use)
+from tests.launch import launch
+
+PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A registered strategy name and options for its class, e.g. ``StrategySpec("zero2", {"master_weights": True})``.
+
+    ``label`` is the name under which its runs are recorded: the name alone without options, else the name and the
+    options, ``"zero2(master_weights=True)"``; pass one where the options would read badly (classes, directories).
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+            object.__setattr__(self, "label", f"{self.name}({options})" if options else self.name)
+
+    @classmethod
+    def of(cls, spec: StrategySpec | str) -> StrategySpec:
+        return spec if isinstance(spec, StrategySpec) else cls(spec)
+
+    def for_trainer(self) -> Any:
+        """The ``Trainer(strategy=...)`` argument: the name itself, or its class built with the options."""
+        return self._build(TRAINER_STRATEGIES)
+
+    def for_fabric(self) -> Any:
+        """The ``Fabric(strategy=...)`` argument: the name itself, or its class built with the options."""
+        return self._build(FABRIC_STRATEGIES)
+
+    def _build(self, registry: _StrategyRegistry) -> Any:
+        if not self.options:
+            return self.name
+        entry = registry[self.name]
+        return entry["strategy"](**{**entry["init_params"], **self.options})
+
+    @property
+    def file_name(self) -> str:
+        """The label made safe for a file or directory name."""
+        return "".join(c if c.isalnum() or c in "_=-." else "_" for c in self.label)
+
+    def __str__(self) -> str:  # pytest's test ids
+        return self.label
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What every scenario has: a name, the strategies (the reference first), the seeded module and its arguments.
+
+    ``module`` names a module of ``tests.workers.modules.MODULES``."""
+
+    name: str
+    _: KW_ONLY
+    strategies: tuple[StrategySpec, ...]  # names may be given as strings
+    module: str = "classifier"
+    module_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategies", tuple(StrategySpec.of(s) for s in self.strategies))
+
+    @property
+    def reference(self) -> StrategySpec:
+        return self.strategies[0]
+
+    @property
+    def compared(self) -> tuple[StrategySpec, ...]:
+        return self.strategies[1:]
+
+
+@dataclass(frozen=True)
+class Scenario(Runs):
+    """A ``Trainer.fit`` of the module under each strategy (``tests/workers/parity.py``).
+
+    Args:
+        trainer_kwargs: ``Trainer`` arguments beyond the worker's defaults (CPU, ``devices`` = world size, no logger).
+        max_steps: steps of the ``fit``.
+        limit_val_batches: validation batches per check (none by default).
+        after_fit: ``"validate"``, ``"test"``, ``"predict"``: run after the ``fit``, their results recorded.
+        resume_at: train this many steps first, save a checkpoint, and resume from it in a fresh Trainer and module.
+        save_with: the strategy of that first part (by default the run's own).
+    """
+
+    _: KW_ONLY
+    trainer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_steps: int = 6
+    limit_val_batches: int | float = 0
+    after_fit: tuple[str, ...] = ()
+    resume_at: int | None = None
+    save_with: StrategySpec | None = None
+
+
+class Setup(enum.Enum):
+    """How a Fabric loop sets up its module and optimizer."""
+
+    TOGETHER = "setup"  # fabric.setup(model, optimizer), the optimizer built on the module before it
+    SEPARATELY = "setup_module"  # fabric.setup_module(model), the optimizer built on it after, setup_optimizers
+
+
+class ClipBy(enum.Enum):
+    NORM = "norm"  # fabric.clip_gradients(max_norm=...)
+    VALUE = "value"  # fabric.clip_gradients(clip_val=...)
+
+
+@dataclass(frozen=True)
+class Clip:
+    by: ClipBy
+    value: float
+
+
+@dataclass(frozen=True)
+class FabricScenario(Runs):
+    """A hand-written Fabric training loop of the module under each strategy (``tests/workers/fabric.py``): each rank
+    draws its own random batches, the same under every strategy.
+
+    Args:
+        setup: how the module and optimizer are set up.
+        steps: optimizer steps.
+        accumulate: micro-batches per step; all but the last run under ``fabric.no_backward_sync``.
+        clip: gradient clipping before each step.
+        precision: Fabric's ``precision`` flag.
+        empty_init: if not ``None``, the compared strategies build the module inside
+            ``fabric.init_module(empty_init=...)``; the reference builds it eagerly (its weights are the oracle).
+    """
+
+    _: KW_ONLY
+    setup: Setup = Setup.TOGETHER
+    steps: int = 6
+    accumulate: int = 1
+    clip: Clip | None = None
+    precision: str = "32-true"
+    empty_init: bool | None = None
+
+
+class FrontEnd(enum.Enum):
+    TRAINER = "trainer"
+    FABRIC = "fabric"
+
+
+@dataclass(frozen=True)
+class Saver:
+    """Who writes a checkpoint: a front end training the classifier under a strategy for ``steps`` steps."""
+
+    front_end: FrontEnd
+    strategy: StrategySpec
+    steps: int = 4
+
+    @property
+    def label(self) -> str:
+        return f"{self.front_end.value}-{self.strategy.file_name}"
+
+
+class Exchange(enum.Enum):
+    """What a launch of the Fabric worker does with the :class:`Resume` entries, after its scenarios."""
+
+    SAVE = "save"  # each saver trains and writes its checkpoint (on 2 ranks)
+    LOAD = "load"  # each resume loads one (on 3 ranks)
+
+
+class Source(enum.Enum):
+    """What a resume loads from a checkpoint directory."""
+
+    DIRECTORY = "directory"  # the directory itself
+    CONSOLIDATED = "consolidated"  # the single file `consolidate_checkpoint` makes of it
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A checkpoint written by ``saver`` on 2 ranks and loaded, into a fresh module and optimizer, by ``front_end``
+    under ``strategy`` on 3 ranks; the state after loading must be what was saved, bit for bit."""
+
+    name: str
+    saver: Saver
+    front_end: FrontEnd
+    strategy: StrategySpec
+    source: Source = Source.DIRECTORY
+
+
+def run_scenarios(
+    scenarios: Sequence[Runs],
+    world_size: int,
+    out_dir: Path,
+    worker: str = "tests.workers.parity",
+    **extra: Any,
+) -> list[dict[Any, Any]]:
+    """Run ``scenarios`` in ``world_size`` processes of ``worker`` (which reads them under ``"scenarios"`` with
+    :func:`read_payload`, along with ``extra``); return each rank's results."""
+    write_payload(out_dir, scenarios=list(scenarios), **extra)
+    launch(worker, [str(out_dir)], world_size)
+    return read_results(out_dir, world_size)
+
+
+def write_payload(out_dir: Path, **entries: Any) -> None:
+    """What the workers started on ``out_dir`` read with :func:`read_payload`, pickled."""
+    (out_dir / PAYLOAD).write_bytes(pickle.dumps(entries))
+
+
+def read_payload(out_dir: Path) -> dict[str, Any]:
+    return pickle.loads((out_dir / PAYLOAD).read_bytes())
+
+
+def save_results(out_dir: Path, rank: int, results: Any) -> None:
+    """In a worker: this rank's results, for :func:`read_results`."""
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+def read_results(out_dir: Path, world_size: int) -> list[Any]:
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
