@@ -246,8 +246,9 @@ class AllReduceReducer(GradientReducer):
 
     def _build(self, bucket: Bucket) -> None:
         bucket.layout = NaturalLayout([s.param.shape for s in bucket.params])
-        # hybrid sharding reduces it in chunks, one per rank of the shard group
-        numel = math.ceil(bucket.layout.numel / self.world_size) * self.world_size
+        numel = bucket.layout.numel
+        if self.replicas is not None:  # hybrid sharding reduces it in chunks, one per rank of the shard group
+            numel = math.ceil(numel / self.world_size) * self.world_size
         bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
         bucket.output = bucket.buffer
         bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]
