@@ -76,10 +76,13 @@ class ShardedModule:
             "offload_policy": offload_policy or OffloadPolicy(),  # a CPUOffloadPolicy keeps the shards on the host
         }
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
-        largest = max(
+        sizes = [
             fsdp_comms.gathered_bytes(params, mesh.shard.size(), param_dtype)
             for params in _unit_parameters([*units, module], set(self.replicated))
-        )
+        ]
+        # The ring rotates the units; the root is gathered once a step and stays gathered through it, so a root
+        # larger than every unit (embeddings, a head) goes through the channel's slots rather than triple the ring.
+        largest = max(sizes[:-1] or sizes)
         for unit in units:  # deepest first
             fully_shard(unit, mesh=mesh.shard, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
