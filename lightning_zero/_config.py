@@ -120,110 +120,74 @@ class ZeroConfig:
         return cls.from_options(stage=(fixed_stage or Stage.GRADIENTS) if stage is None else stage, **options)
 
     @classmethod
-    def from_options(
-        cls,
-        *,
-        stage: object,
-        bucket_cap_mb: object = 25.0,
-        broadcast_buffers: object = True,
-        auto_wrap_policy: object = None,
-        activation_checkpointing: object = None,
-        master_weights: object = False,
-        reduce_dtype: object = None,
-        offload_optimizer: object = False,
-        offload_parameters: object = False,
-        offload_dir: object = None,
-        pin_memory: object = True,
-        memory_report: object = True,
-        shard_group_size: object = None,
-        sharded_on_one_device: object = False,
-    ) -> ZeroConfig:
+    def from_options(cls, **options: object) -> ZeroConfig:
+        """The config of the options a user gave (those left out keep their defaults), each checked and turned into
+        its field's form: errors name the option and its value, and end with a HINT."""
+        given = {f.name: _AS_GIVEN.get(f.name, f.default) for f in fields(cls)} | options
+        stage = given["stage"]
         valid = [s.value for s in Stage]
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in valid:
             raise ValueError(
                 f"`stage={stage!r}` is not a ZeRO stage this strategy runs. HINT: pass `stage` as one of {valid}."
             )
+        bucket_cap_mb = given["bucket_cap_mb"]
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(
                 f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB. HINT: the default, 25, suits most"
                 " models."
             )
-        if not isinstance(broadcast_buffers, bool):
-            raise ValueError(f"`broadcast_buffers={broadcast_buffers!r}` must be True or False.")
-        if auto_wrap_policy is not None and stage != Stage.PARAMETERS:
+        if not isinstance(given["memory_report"], bool):
+            raise ValueError(
+                f"`memory_report={given['memory_report']!r}` must be True or False. HINT: `memory_report=False` turns"
+                " the report off."
+            )
+        for name in _SWITCHES:
+            if not isinstance(given[name], bool):
+                raise ValueError(f"`{name}={given[name]!r}` must be True or False.")
+        if given["auto_wrap_policy"] is not None and stage != Stage.PARAMETERS:
             raise ValueError(
                 f"`auto_wrap_policy` shapes the units of stage 3; stage {stage} keeps full parameters."
                 " HINT: use `Zero3Strategy` (or `stage=3`), or drop `auto_wrap_policy`."
             )
-        wrap = resolve_policy("auto_wrap_policy", auto_wrap_policy)
-        match activation_checkpointing:
+        wrap = resolve_policy("auto_wrap_policy", given["auto_wrap_policy"])
+        match given["activation_checkpointing"]:
             case None | False:
                 checkpointing = None
             case True:
                 checkpointing = wrap  # the modules the wrap policy picks (the repeated entries in stages 1 and 2)
-            case _:
-                checkpointing = resolve_policy("activation_checkpointing", activation_checkpointing)
-        if not isinstance(master_weights, bool):
-            raise ValueError(f"`master_weights={master_weights!r}` must be True or False.")
-        if not isinstance(memory_report, bool):
-            raise ValueError(
-                f"`memory_report={memory_report!r}` must be True or False. HINT: `memory_report=False` turns the"
-                " report off."
-            )
-        if shard_group_size not in (None, "node") and (
-            isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
+            case other:
+                checkpointing = resolve_policy("activation_checkpointing", other)
+        group_size = given["shard_group_size"]
+        if group_size not in (None, "node") and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
         ):
             raise ValueError(
-                f"`shard_group_size={shard_group_size!r}` is not a group size. HINT: pass a positive number of ranks"
-                " that divides the number of ranks, 'node' for one shard group per node, or None to shard across all."
+                f"`shard_group_size={group_size!r}` is not a group size. HINT: pass a positive number of ranks that"
+                " divides the number of ranks, 'node' for one shard group per node, or None to shard across all."
             )
-        if not isinstance(sharded_on_one_device, bool):
-            raise ValueError(f"`sharded_on_one_device={sharded_on_one_device!r}` must be True or False.")
-        dtype = _resolve_dtype(reduce_dtype)
+        dtype = _resolve_dtype(given["reduce_dtype"])
         if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
                 "`reduce_dtype` applies to the gradient shards of stages 2 and 3; stage 1 keeps full gradients in the"
                 " parameters' dtype. HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
             )
-        offload = _resolve_offload(offload_optimizer)
-        if not isinstance(offload_parameters, bool):
-            raise ValueError(f"`offload_parameters={offload_parameters!r}` must be True or False.")
-        if offload_parameters and stage != Stage.PARAMETERS:
+        if given["offload_parameters"] and stage != Stage.PARAMETERS:
             raise ValueError(
                 f"`offload_parameters=True` moves the parameter shards of stage 3 to the host; stage {stage} keeps full"
                 " parameters on the device. HINT: use `Zero3Strategy` (or `\"zero3_offload\"`), or offload only the"
                 " optimizer with `offload_optimizer=True`."
             )
-        if not isinstance(pin_memory, bool):
-            raise ValueError(f"`pin_memory={pin_memory!r}` must be True or False.")
-        directory = None
-        if offload is OffloadTarget.DISK:
-            if not isinstance(offload_dir, (str, Path)) or not str(offload_dir):
-                raise ValueError(
-                    f"`offload_optimizer='disk'` keeps optimizer state in files, but `offload_dir={offload_dir!r}`."
-                    " HINT: pass `offload_dir` as the path of a directory on a local disk (e.g. an NVMe drive)."
-                )
-            directory = check_directory("offload_dir", Path(offload_dir))
-        elif offload_dir is not None:
-            raise ValueError(
-                f"`offload_dir={offload_dir!r}` is used only by `offload_optimizer='disk'`."
-                " HINT: pass `offload_optimizer='disk'` as well, or drop `offload_dir`."
-            )
+        offload = _resolve_offload(given["offload_optimizer"])
         return cls(
+            **{name: given[name] for name in (*_SWITCHES, "memory_report")},
             stage=Stage(stage),
             bucket_cap_mb=float(bucket_cap_mb),
-            broadcast_buffers=broadcast_buffers,
             auto_wrap_policy=wrap,
             activation_checkpointing=checkpointing,
-            master_weights=master_weights,
             reduce_dtype=dtype,
             offload_optimizer=offload,
-            offload_parameters=offload_parameters,
-            offload_dir=directory,
-            pin_memory=pin_memory,
-            memory_report=memory_report,
-            shard_group_size=shard_group_size,
-            sharded_on_one_device=sharded_on_one_device,
+            offload_dir=_resolve_offload_dir(offload, given["offload_dir"]),
+            shard_group_size=group_size,
         )
 
     @property
@@ -240,6 +204,26 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
+
+
+_AS_GIVEN: dict[str, object] = {"auto_wrap_policy": None, "offload_optimizer": False}  # options whose field differs
+_SWITCHES = ("broadcast_buffers", "master_weights", "offload_parameters", "pin_memory", "sharded_on_one_device")
+
+
+def _resolve_offload_dir(offload: OffloadTarget, offload_dir: object) -> Path | None:
+    if offload is OffloadTarget.DISK:
+        if not isinstance(offload_dir, (str, Path)) or not str(offload_dir):
+            raise ValueError(
+                f"`offload_optimizer='disk'` keeps optimizer state in files, but `offload_dir={offload_dir!r}`."
+                " HINT: pass `offload_dir` as the path of a directory on a local disk (e.g. an NVMe drive)."
+            )
+        return check_directory("offload_dir", Path(offload_dir))
+    if offload_dir is not None:
+        raise ValueError(
+            f"`offload_dir={offload_dir!r}` is used only by `offload_optimizer='disk'`."
+            " HINT: pass `offload_optimizer='disk'` as well, or drop `offload_dir`."
+        )
+    return None
 
 
 _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins import Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -33,6 +32,8 @@ from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fi
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState
+
+_SET_BY_FABRIC = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
 
 
 class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
@@ -56,16 +57,14 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self,
         stage: int | None = None,
         *,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
+        # Fabric's connector sets the accelerator, devices, cluster environment, checkpoint IO and precision plugin on
+        # the strategy it is given; passed here, they go to Fabric's `DDPStrategy` as they would there.
+        set_by_fabric = {k: options.pop(k) for k in _SET_BY_FABRIC if k in options}
         known = ZeroConfig.option_names()
         self.config = ZeroConfig.for_strategy(
             type(self).__name__,
@@ -76,14 +75,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             **{k: v for k, v in options.items() if k in known},
         )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **set_by_fabric
         )
         self._backward_sync_control = _NoSync(self)
         self._module: nn.Module | None = None  # the module set up, whose parameters the optimizers update
@@ -159,19 +151,6 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         return self._reported_step(optimizer, step, self._module, [optimizer])
 
     @override
-    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return self.mode.module_state(module)
-
-    @override
-    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        self.mode.load_module_state(module, state_dict, strict)
-
-    @override
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self._module is not None
-        return self.mode.optimizer_state(optimizer, self._module)
-
-    @override
     def save_checkpoint(
         self,
         path: _PATH,
@@ -232,6 +211,19 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
                 self.mode.load_optimizer_state(state[key], optimizer_state)
         return parts.restore_rest(state, checkpoint, strict)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return self.mode.module_state(module)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self.mode.load_module_state(module, state_dict, strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self._module is not None
+        return self.mode.optimizer_state(optimizer, self._module)
 
     @override
     def teardown(self) -> None:
