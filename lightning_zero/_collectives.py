@@ -4,6 +4,9 @@ On gloo (CPU) the ranks of one host use shared memory (:mod:`lightning_zero._sha
 reduce-scatter and all-gather are built from point-to-point messages: gloo's own reduce-scatter all-reduces the whole
 buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and measured 1.5 to 2.5 times slower than the
 exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
+
+Gloo gives up on a peer after the process group's timeout; this package's errors then name the peers and what to do
+(:mod:`lightning_zero._peers`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from lightning_zero import _peers as peers
 from lightning_zero import _shared_memory as shared_memory
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
@@ -26,19 +30,25 @@ def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.all_reduce_sum(buffer)
-        return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return Exchange([work], group) if _point_to_point(group) else work
 
 
 class Exchange:
-    """An in-flight point-to-point exchange; ``wait`` finishes it, summing received chunks where it reduces."""
+    """In-flight gloo work of ``group``: point-to-point messages, or an all-reduce. ``wait`` finishes it, summing
+    received chunks where it reduces; a peer that stalled or failed is named in the error."""
 
-    def __init__(self, works: list[Work], finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list[Work], group: ProcessGroup, finish: Callable[[], None] | None = None) -> None:
         self._works = works
+        self._group = group
         self._finish = finish
 
     def wait(self) -> bool:
         for work in self._works:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise _peer_error(self._group, error) from error
         if self._finish is not None:
             with torch.profiler.record_function("lightning_zero::sum_received_chunks"):
                 self._finish()
@@ -47,6 +57,16 @@ class Exchange:
 
 
 Pending = Work | Exchange | shared_memory.InFlight
+_WHERE = "exchange over gloo"
+
+
+def _peer_error(group: ProcessGroup, error: RuntimeError) -> peers.PeerError:
+    """Gloo's error, with the peers and what to do: it says "Timed out" when a peer did not arrive in time."""
+    me = group.rank()
+    others = [rank for rank in range(group.size()) if rank != me]
+    if "Timed out" in str(error):
+        return peers.stalled(_WHERE, me, peers.ranks(others, one_of=True), peers.group_timeout(group), [])
+    return peers.failed(_WHERE, me, others, error)
 
 
 def _point_to_point(group: ProcessGroup) -> bool:
@@ -68,7 +88,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
         chunks = buffer.view(size, -1)
         if size == 1:  # one rank (offloading on a single device): nothing to exchange
             output.copy_(chunks[0])
-            return Exchange([])
+            return Exchange([], group)
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.reduce_scatter_sum(output, buffer)
@@ -89,7 +109,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
                 if rank != others[0]:
                     output.add_(chunks[me] if rank == me else received[rank])
 
-        return Exchange(dist.batch_isend_irecv(ops), finish)
+        return Exchange(dist.batch_isend_irecv(ops), group, finish)
 
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -103,7 +123,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
         if not in_place:
             rows[me].copy_(chunk)
         if size == 1:
-            return Exchange([])
+            return Exchange([], group)
         shared = _shared(chunk, group)
         if shared is not None:
             return shared.all_gather(output)
@@ -112,7 +132,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             if peer != me:
                 ops.append(dist.P2POp(dist.isend, chunk, dist.get_global_rank(group, peer), group))
                 ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
-        return Exchange(dist.batch_isend_irecv(ops))
+        return Exchange(dist.batch_isend_irecv(ops), group)
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:

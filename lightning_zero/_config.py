@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -98,10 +99,12 @@ class ZeroConfig:
             raise ValueError(
                 f"`stage={stage!r}` is not a ZeRO stage this strategy runs. HINT: pass `stage` as one of {valid}."
             )
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        # NaN passes `<= 0` and infinity passes everything: both would fail in `fit`, converting to a byte count
+        numeric = not isinstance(bucket_cap_mb, bool) and isinstance(bucket_cap_mb, (int, float))
+        if not numeric or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:  # type: ignore[arg-type, operator]
             raise ValueError(
-                f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB. HINT: the default, 25, suits most"
-                " models."
+                f"`bucket_cap_mb={bucket_cap_mb!r}` must be a finite, positive number of MiB. HINT: the default, 25,"
+                " suits most models."
             )
         if not isinstance(broadcast_buffers, bool):
             raise ValueError(f"`broadcast_buffers={broadcast_buffers!r}` must be True or False.")

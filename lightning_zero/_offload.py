@@ -10,14 +10,14 @@ Vocabulary:
 - **disk state**: optimizer state tensors backed by memory-mapped files in the offload directory. Each file's space
   is reserved when it is created, so a full disk fails there, with an error naming the directory, and never in a
   later write-back; after every step the pages are dropped from the process, so resident memory holds the state
-  only while a step touches it.
+  only while a step touches it. The files have no names (see :mod:`lightning_zero._files`): the kernel frees them
+  when the process ends, however it ends, so even a killed run leaves nothing in the directory.
 """
 
 from __future__ import annotations
 
 import mmap
-import shutil
-import tempfile
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from enum import Enum
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero._files import reserved_mapping
+from lightning_zero._files import nameless_file, nameless_mapping
 
 
 class OffloadError(RuntimeError):
@@ -45,14 +45,18 @@ class OffloadTarget(Enum):
 
 def check_directory(option: str, directory: Path) -> Path:
     """``directory`` must exist and take new files, or training would fail (or lose state) later."""
+    if directory.exists() and not directory.is_dir():
+        raise OffloadError(
+            f"`{option}={str(directory)!r}` is a file, not a directory. HINT: point `{option}` at a directory on a"
+            f" local disk with room for the optimizer state, such as `{directory.parent}` (the file's own)."
+        )
     if not directory.is_dir():
         raise OffloadError(
             f"`{option}={str(directory)!r}` is not an existing directory. HINT: create it (`mkdir -p {directory}`)"
             " or point it at a directory on a local disk with room for the optimizer state."
         )
     try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_zero-probe-"):
-            pass
+        os.close(nameless_file(directory))  # as the state's files will be made
     except OSError as error:
         raise OffloadError(
             f"`{option}={str(directory)!r}` is not writable: {error.strerror}. HINT: choose a directory this process"
@@ -157,15 +161,15 @@ def check_host_collectives() -> None:
 
 
 class DiskState:
-    """Optimizer state in memory-mapped files under ``directory``, one file per state tensor.
+    """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory.
+    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory. A file's
+    space returns to the disk once nothing maps it: when its tensor is freed, or when the process ends.
     """
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.root = Path(tempfile.mkdtemp(prefix=f"lightning_zero-rank{rank}-", dir=directory))
         self._maps: list[mmap.mmap] = []
         self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
         self._bytes = 0
@@ -189,18 +193,13 @@ class DiskState:
         for mapping in self._maps:
             mapping.madvise(mmap.MADV_DONTNEED)
 
-    def close(self) -> None:
-        """Delete the files; tensors still mapped keep their pages until they are freed."""
-        shutil.rmtree(self.root, ignore_errors=True)
-
     def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         nbytes = local.numel() * local.element_size()
-        path = self.root / f"{len(self._maps)}.bin"
         try:
-            mapping = reserved_mapping(path, nbytes)
+            mapping = nameless_mapping(self.directory, nbytes)
         except OSError as error:
             raise OffloadError(
-                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}` ({path.name}):"
+                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}`:"
                 f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
                 " `offload_dir` at a larger one."
             ) from error

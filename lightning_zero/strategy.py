@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -304,7 +305,7 @@ class ZeroStrategy(DDPStrategy):
             )
         if self.config.offload is OffloadTarget.DISK:
             assert self.config.offload_dir is not None
-            self._disk = DiskState(self.config.offload_dir, self.global_rank)
+            self._disk = DiskState(self.config.offload_dir)
         if not self._sharding or self.stage is Stage.PARAMETERS:
             return  # stage 3: the optimizer was built on `fully_shard`'s DTensor shards and steps on them as it is
         assert self.lightning_module is not None
@@ -593,6 +594,23 @@ class ZeroStrategy(DDPStrategy):
         return nullcontext()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Before Lightning's teardown of a failed run: a step that stage 3 aborted leaves units gathered, which
+        teardown could not move (and the user would see that error instead of their own). Settle them; should that fail
+        too, say so beside the user's exception, never instead of it."""
+        super().on_exception(exception)
+        if self._sharded is None:
+            return
+        try:
+            self._sharded.settle()
+        except Exception as error:
+            warnings.warn(
+                f"lightning_zero could not reshard the stage-3 module after the failure above ({error!r}); moving or"
+                " saving the module may fail as well. HINT: the failure above is the one to fix.",
+                stacklevel=2,
+            )
+
+    @override
     def teardown(self) -> None:
         # Detached, not dropped: a checkpoint saved after `fit` still writes each rank's shards only.
         if self._engine is not None:
@@ -601,9 +619,7 @@ class ZeroStrategy(DDPStrategy):
             # Stage 3 keeps SyncBatchNorm after `fit`: `fully_shard` manages those layers' parameters, and swapping
             # the layers back to BatchNorm would leave the parameters on modules it no longer sees.
             self._layer_sync = None
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
+        self._disk = None  # its files go with the last tensor mapping them
         super().teardown()
 
     def _remove_engine(self) -> None:

@@ -21,12 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, args: list[str], world_size: int, timeout: float = 600) -> None:
-    """Run ``python -m module *args`` in ``world_size`` processes; raise with their output if any fails."""
+def start(
+    module: str, args: list[str], world_size: int, env: dict[str, str] | None = None, logs: Path | None = None
+) -> list[subprocess.Popen]:
+    """Start ``python -m module *args`` in ``world_size`` processes joined as one group. Each one's stdout and stderr
+    go, merged, to a pipe, or to ``logs/rank<r>.log`` (a process the test stops or leaves running then never blocks
+    on a full pipe)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(
+        environment = dict(
             os.environ,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -37,12 +41,22 @@ def launch(module: str, args: list[str], world_size: int, timeout: float = 600) 
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
         )
+        environment.update(env or {})
+        output = subprocess.PIPE if logs is None else (logs / f"rank{rank}.log").open("w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [sys.executable, "-m", module, *args], cwd=REPO, env=environment,
+                stdout=output, stderr=subprocess.STDOUT, text=True,
             )
         )
+        if logs is not None:
+            output.close()  # the child holds its own copy
+    return procs
+
+
+def launch(module: str, args: list[str], world_size: int, timeout: float = 600) -> None:
+    """Run ``python -m module *args`` in ``world_size`` processes; raise with their output if any fails."""
+    procs = start(module, args, world_size)
     outputs = []
     for proc in procs:
         try:
