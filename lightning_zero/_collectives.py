@@ -11,7 +11,9 @@ Gloo gives up on a peer after the process group's timeout; this package's errors
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -30,8 +32,10 @@ def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.all_reduce_sum(buffer)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return Exchange([work], group) if _point_to_point(group) else work
+        if not _point_to_point(group):
+            return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        with _naming_peers(group):
+            return Exchange([dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)], group)
 
 
 class Exchange:
@@ -44,11 +48,9 @@ class Exchange:
         self._finish = finish
 
     def wait(self) -> bool:
-        for work in self._works:
-            try:
+        with _naming_peers(self._group):
+            for work in self._works:
                 work.wait()
-            except RuntimeError as error:
-                raise _peer_error(self._group, error) from error
         if self._finish is not None:
             with torch.profiler.record_function("lightning_zero::sum_received_chunks"):
                 self._finish()
@@ -58,15 +60,23 @@ class Exchange:
 
 Pending = Work | Exchange | shared_memory.InFlight
 _WHERE = "exchange over gloo"
+# how gloo says a peer did not arrive in time: "Timed out waiting 5000ms for recv operation to complete" in the wait,
+# or "Application timeout caused pair closure" when the next message is posted to that peer
+_TIMED_OUT = re.compile("timed out|timeout", re.IGNORECASE)
 
 
-def _peer_error(group: ProcessGroup, error: RuntimeError) -> peers.PeerError:
-    """Gloo's error, with the peers and what to do: it says "Timed out" when a peer did not arrive in time."""
-    me = group.rank()
-    others = [rank for rank in range(group.size()) if rank != me]
-    if "Timed out" in str(error):
-        return peers.stalled(_WHERE, me, peers.ranks(others, one_of=True), peers.group_timeout(group), [])
-    return peers.failed(_WHERE, me, others, error)
+@contextmanager
+def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
+    """Gloo's errors in ``group``'s exchanges, posted or awaited, say which peers and what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        me = group.rank()
+        others = [rank for rank in range(group.size()) if rank != me]
+        if _TIMED_OUT.search(str(error)):
+            missing = peers.ranks(others, one_of=True)
+            raise peers.stalled(_WHERE, me, missing, peers.group_timeout(group), []) from error
+        raise peers.failed(_WHERE, me, others, error) from error
 
 
 def _point_to_point(group: ProcessGroup) -> bool:
@@ -109,7 +119,8 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
                 if rank != others[0]:
                     output.add_(chunks[me] if rank == me else received[rank])
 
-        return Exchange(dist.batch_isend_irecv(ops), group, finish)
+        with _naming_peers(group):
+            return Exchange(dist.batch_isend_irecv(ops), group, finish)
 
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -132,7 +143,8 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             if peer != me:
                 ops.append(dist.P2POp(dist.isend, chunk, dist.get_global_rank(group, peer), group))
                 ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
-        return Exchange(dist.batch_isend_irecv(ops), group)
+        with _naming_peers(group):
+            return Exchange(dist.batch_isend_irecv(ops), group)
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:

@@ -103,7 +103,7 @@ class Channel:
         maps: list[mmap.mmap],
         inboxes: list[int],
         outboxes: list[int],
-        pids: list[int],
+        prefixes: list[str],
         timeout: timedelta,
     ) -> None:
         self.group = group
@@ -114,10 +114,9 @@ class Channel:
                        for m in maps]
         self._inboxes = inboxes  # read ends of the FIFOs from each peer, in rank order
         self._outboxes = outboxes  # write ends of the FIFOs to each peer
-        # per peer rank, its PID; empty where PIDs cannot be watched (another PID namespace)
-        self._pids = {rank: pid for rank, pid in enumerate(pids) if rank != self.rank}
-        if not all(map(_alive, self._pids.values())):
-            self._pids = {}
+        # per peer rank, the process that created its files, where it can be watched (this PID namespace)
+        self._watched = _watchable(prefixes, self.rank)
+        self._pids = {rank: creator.pid for rank, creator in self._watched.items()}
         self._timeout = timeout
         self._slot_views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # the slots in each dtype used
         self._pieces = 0
@@ -141,12 +140,11 @@ class Channel:
             if _wanted_here():
                 with contextlib.suppress(OSError):  # no room in /dev/shm, no FIFOs: the group keeps gloo
                     own = _create_own(me, peer_ranks, created, fds)
-            everyone: list[tuple[int, str] | None] = [None] * size  # every rank's PID and the prefix of its files
-            dist.all_gather_object(everyone, None if own is None else (os.getpid(), own[0]), group=group)
+            prefixes: list[str | None] = [None] * size  # where every rank's files are, which names their creator
+            dist.all_gather_object(prefixes, None if own is None else own[0], group=group)
             maps: list[mmap.mmap] = []
             outboxes: list[int] = []
-            if own is not None and all(everyone):
-                prefixes = [entry[1] for entry in everyone]  # type: ignore[index]
+            if own is not None and all(prefixes):
                 with contextlib.suppress(OSError):
                     maps = [own[1] if rank == me else _map(_segment(prefixes[rank], rank), 2 * SLOT_BYTES)
                             for rank in range(size)]
@@ -162,8 +160,8 @@ class Channel:
                     os.close(fd)
         if not agreed or own is None:
             return None
-        pids = [entry[0] for entry in everyone]  # type: ignore[index]
-        return cls(group, maps, own[2], outboxes, pids, peers.group_timeout(group) if timeout is None else timeout)
+        timeout = peers.group_timeout(group) if timeout is None else timeout
+        return cls(group, maps, own[2], outboxes, prefixes, timeout)  # type: ignore[arg-type]
 
     def open_gather_ring(self, buffer_bytes: int) -> bool:
         """Collective: rank 0 creates the stage-3 gather ring of ``RING_SIZE`` buffers of ``buffer_bytes``, every rank
@@ -306,7 +304,7 @@ class Channel:
             if ready:
                 continue
             for rank in waiting.values():
-                if rank in self._pids and not _alive(self._pids[rank]):
+                if rank in self._watched and self._watched[rank].is_dead():
                     raise peers.exited(_WHERE, self.rank, rank, self._pids)
             if left <= 0:
                 missing = sorted(waiting.values())
@@ -393,22 +391,14 @@ def _map(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs; a zombie (exited, not yet reaped by its parent, as a rank started by rank 0
-    is) counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: the signal test, blind to zombies
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+def _watchable(prefixes: list[str], me: int) -> dict[int, shm_files.Creator]:
+    """Per peer rank, the process that created its files (named in its ``prefixes`` entry), where this process can
+    tell whether it is alive: in the same PID namespace."""
+    mine = shm_files.Creator.this_process()
+    creators = {rank: shm_files.Creator.of(Path(prefix).name) for rank, prefix in enumerate(prefixes) if rank != me}
+    if mine is None:
+        return {}
+    return {rank: c for rank, c in creators.items() if c is not None and c.namespace == mine.namespace}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

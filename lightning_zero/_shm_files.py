@@ -13,7 +13,8 @@ Words used below:
 - *dead*: no process with that PID, or one that started at another time, or a zombie. Entries of another PID
   namespace, of another user, or whose creator cannot be told (unreadable ``/proc``) are never touched.
 
-A name reads ``lightning_zero-<namespace>-<pid>-<start>-<token>...``, the token drawn per channel.
+A name reads ``lightning_zero-<namespace>-<pid>-<start>-<token>...``, the token drawn per channel. The channel also
+learns its peers' creators from their names, and watches them while it waits.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ PREFIX = "lightning_zero-"
 
 @dataclass(frozen=True)
 class Creator:
-    namespace: int
-    pid: int
-    start: int
+    """The process that created an entry, as its name records it."""
+
+    namespace: int  # inode of its PID namespace
+    pid: int  # in that namespace
+    start: int  # clock ticks after boot at which it started
 
     @classmethod
     def this_process(cls) -> Creator | None:
