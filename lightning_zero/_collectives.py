@@ -11,9 +11,8 @@ Gloo gives up on a peer after the process group's timeout; this package's errors
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -59,24 +58,11 @@ class Exchange:
 
 
 Pending = Work | Exchange | shared_memory.InFlight
-_WHERE = "exchange over gloo"
-# how gloo says a peer did not arrive in time: "Timed out waiting 5000ms for recv operation to complete" in the wait,
-# or "Application timeout caused pair closure" when the next message is posted to that peer
-_TIMED_OUT = re.compile("timed out|timeout", re.IGNORECASE)
 
 
-@contextmanager
-def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
+def _naming_peers(group: ProcessGroup) -> AbstractContextManager[None]:
     """Gloo's errors in ``group``'s exchanges, posted or awaited, say which peers and what to do."""
-    try:
-        yield
-    except RuntimeError as error:
-        me = group.rank()
-        others = [rank for rank in range(group.size()) if rank != me]
-        if _TIMED_OUT.search(str(error)):
-            missing = peers.ranks(others, one_of=True)
-            raise peers.stalled(_WHERE, me, missing, peers.group_timeout(group), []) from error
-        raise peers.failed(_WHERE, me, others, error) from error
+    return peers.naming_peers("exchange over gloo", group)
 
 
 def _point_to_point(group: ProcessGroup) -> bool:

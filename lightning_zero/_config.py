@@ -99,9 +99,9 @@ class ZeroConfig:
             raise ValueError(
                 f"`stage={stage!r}` is not a ZeRO stage this strategy runs. HINT: pass `stage` as one of {valid}."
             )
-        # NaN passes `<= 0` and infinity passes everything: both would fail in `fit`, converting to a byte count
-        numeric = not isinstance(bucket_cap_mb, bool) and isinstance(bucket_cap_mb, (int, float))
-        if not numeric or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:  # type: ignore[arg-type, operator]
+        numeric = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+        # NaN and infinity would fail in `fit`, converted to a byte count (NaN lies in no interval)
+        if not numeric or not 0 < bucket_cap_mb < math.inf:  # type: ignore[operator]
             raise ValueError(
                 f"`bucket_cap_mb={bucket_cap_mb!r}` must be a finite, positive number of MiB. HINT: the default, 25,"
                 " suits most models."

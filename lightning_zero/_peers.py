@@ -2,8 +2,8 @@
 
 A collective waits for its peers as long as the process group's *timeout*: the one it was created with
 (``init_process_group(timeout=...)``, which Lightning's strategies pass from their own ``timeout``), the limit of gloo's
-and NCCL's own collectives too. It is read from the group, not remembered here, so that every group (and every
-Trainer's) keeps its own.
+and NCCL's own collectives too. It is read from the group, never from a setting of this package, so that every group
+keeps its own.
 
 A peer can fail to come in two ways: it *stalled* (alive, but not in this collective: stopped, stuck, or running other
 collectives), reported once the timeout has passed; or it *exited*, reported as soon as that is seen.
@@ -11,11 +11,18 @@ collectives), reported once the timeout has passed; or it *exited*, reported as 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+# how gloo says a peer did not arrive in time: "Timed out waiting 5000ms for recv operation to complete" in a wait, or
+# "Application timeout caused pair closure" when the next message to that peer is posted
+_GLOO_TIMED_OUT = re.compile("timed out|timeout", re.IGNORECASE)
 
 
 class PeerError(RuntimeError):
@@ -57,6 +64,22 @@ def failed(where: str, rank: int, peers: list[int], error: BaseException) -> Pee
         f"lightning_zero's {where} on rank {rank} with {ranks(peers)} failed: {error}. HINT: a peer that exits or"
         " loses its connection fails the exchange; the other ranks' logs say why."
     )
+
+
+@contextmanager
+def naming_peers(where: str, group: ProcessGroup) -> Generator[None, None, None]:
+    """Gloo's errors in ``group``'s collectives inside, which do not say which peer nor what to do, as the errors above
+    (gloo does not say which peer either: every other rank is named)."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as error:
+        me = group.rank()
+        others = [rank for rank in range(group.size()) if rank != me]
+        if _GLOO_TIMED_OUT.search(str(error)):
+            raise stalled(where, me, ranks(others, one_of=True), group_timeout(group), []) from error
+        raise failed(where, me, others, error) from error
 
 
 def ranks(peers: list[int], pids: dict[int, int] | None = None, one_of: bool = False) -> str:

@@ -59,9 +59,11 @@ _CHANNELS: dict[ProcessGroup, Channel | None] = {}
 
 
 def channel(group: ProcessGroup) -> Channel | None:
-    """The shared-memory channel of ``group``, opened (a collective) at its first use; None where gloo stays."""
+    """The shared-memory channel of ``group``, opened (a collective over gloo) at its first use; None where gloo
+    stays."""
     if group not in _CHANNELS:
-        _CHANNELS[group] = Channel.open(group) if group.size() > 1 else None
+        with peers.naming_peers("shared-memory channel's opening", group):
+            _CHANNELS[group] = Channel.open(group) if group.size() > 1 else None
     return _CHANNELS[group]
 
 
