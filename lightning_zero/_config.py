@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
@@ -131,10 +132,12 @@ class ZeroConfig:
                 f"`stage={stage!r}` is not a ZeRO stage this strategy runs. HINT: pass `stage` as one of {valid}."
             )
         bucket_cap_mb = given["bucket_cap_mb"]
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        numeric = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+        # NaN and infinity would fail in `fit`, converted to a byte count (NaN lies in no interval)
+        if not numeric or not 0 < bucket_cap_mb < math.inf:  # type: ignore[operator]
             raise ValueError(
-                f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB. HINT: the default, 25, suits most"
-                " models."
+                f"`bucket_cap_mb={bucket_cap_mb!r}` must be a finite, positive number of MiB. HINT: the default, 25,"
+                " suits most models."
             )
         if not isinstance(given["memory_report"], bool):
             raise ValueError(

@@ -93,8 +93,28 @@ def launch(module: str, args: list[str], world_size: int, timeout: float = 600, 
     return [r.output for r in results]
 
 
+def start(
+    module: str, args: list[str], world_size: int, env: dict[str, str] | None = None, *, logs: Path, nodes: int = 1
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``python -m module *args`` in ``world_size`` processes joined as one group and leave them to the caller
+    (to stop, kill or wait for), each one's output in ``logs/rank<r>.log``; ``env`` adds to their environment."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        with (logs / f"rank{rank}.log").open("wb") as log:  # the child holds its own copy
+            procs.append(_start(module, args, rank, world_size, nodes, port, log, env))
+    return procs
+
+
 def _start(
-    module: str, args: list[str], rank: int, world_size: int, nodes: int, port: int, log: IO[bytes]
+    module: str,
+    args: list[str],
+    rank: int,
+    world_size: int,
+    nodes: int,
+    port: int,
+    log: IO[bytes],
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     per_node = world_size // nodes
     env = dict(
@@ -109,6 +129,7 @@ def _start(
         PYTHONPATH=str(REPO),
         PYTHONUNBUFFERED="1",  # what a killed rank printed is in its file, not lost in its buffer
     )
+    env.update(extra_env or {})
     # A session of its own: killing the rank's process group also ends what it started (data loader workers).
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

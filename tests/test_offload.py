@@ -181,7 +181,7 @@ def test_unusable_directories(tmp_path: Path) -> None:
         Zero2Strategy(offload_optimizer="disk", offload_dir=missing)
     a_file = tmp_path / "file"
     a_file.write_text("")
-    with pytest.raises(OffloadError, match="is not an existing directory"):
+    with pytest.raises(OffloadError, match="is a file, not a directory"):
         Zero2Strategy(offload_optimizer="disk", offload_dir=a_file)
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o500)
@@ -210,7 +210,7 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
         optimizer.step()
         before = {{k: v.clone() for k, v in optimizer.state[param].items()}}
         try:
-            DiskState(Path({str(tmp_path)!r}), rank=0).adopt(optimizer)
+            DiskState(Path({str(tmp_path)!r})).adopt(optimizer)
         except OffloadError as error:
             print("ERROR:", error)
         kept = all(torch.equal(optimizer.state[param][k], v) for k, v in before.items())

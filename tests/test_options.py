@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.target import OffloadError, OffloadTarget
 from tests.workers.modules import Classifier
 
 # each public name of the package, and the module that defines it
@@ -124,6 +125,24 @@ def test_fixed_stage_class_refuses_another_stage() -> None:
 def test_bucket_size_must_be_positive(value: Any) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         ZeroStrategy(bucket_cap_mb=value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_bucket_size_must_be_finite(value: float) -> None:
+    """NaN and infinity pass a `<= 0` check; refused at construction, not inside `fit` converting to bytes."""
+    with pytest.raises(ValueError, match=rf"`bucket_cap_mb={value!r}` must be a finite, positive number of MiB. HINT"):
+        ZeroStrategy(bucket_cap_mb=value)
+
+
+def test_offload_dir_that_is_a_file_is_named_a_file(tmp_path: Path) -> None:
+    a_file = tmp_path / "state.bin"
+    a_file.write_text("")
+    with pytest.raises(OffloadError) as error:
+        ZeroStrategy(stage=2, offload_optimizer="disk", offload_dir=a_file)
+    message = str(error.value)
+    assert f"`offload_dir='{a_file}'` is a file, not a directory. HINT: point `offload_dir` at a directory" in message
+    assert f"such as `{tmp_path}`" in message
+    assert f"mkdir -p {a_file}`" not in message  # the file's own path is no directory to make
 
 
 def test_unsupported_device_is_refused_before_training() -> None:

@@ -1,6 +1,7 @@
 """The shared-memory collectives of CPU process groups (lightning_zero/_transport/): exact results against sums
-computed from every rank's data, the stage-3 gather ring's hand-out rule, failures reported instead of hangs, and the
-strategies' parity with DDP when shared memory is switched off (the point-to-point path of ranks on several hosts).
+computed from every rank's data, the stage-3 gather ring's hand-out rule, failures reported instead of hangs, nothing
+left in /dev/shm by a rank killed while the files have names, and the strategies' parity with DDP when shared memory is
+switched off (the point-to-point path of ranks on several hosts).
 
 Exactness: the channel adds ranks' values in rank order, so results are compared with ``torch.equal`` against the same
 sums done locally; gloo's own all-reduce (another order) only to rounding.
@@ -9,17 +10,20 @@ sums done locally; gloo's own all-reduce (another order) only to rounding.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import launch
+from tests.launch import launch, start
 from tests.oracle import compare_runs
 from tests.scenarios import Scenario, run_scenarios
 
 
 def run_checks(check: str, world_size: int, tmp_path: Path) -> list[list[str] | None]:
     """Each rank's passed checks; None for a rank that wrote none (one that exits on purpose)."""
+    tmp_path.mkdir(exist_ok=True)
     launch("tests.workers.shared_memory", [str(tmp_path), check], world_size, timeout=120)
     files = [tmp_path / f"rank{r}.json" for r in range(world_size)]
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
@@ -46,6 +50,44 @@ def test_a_peer_that_exits_is_reported_not_waited_for(tmp_path: Path) -> None:
 def test_a_rank_that_never_arrives_is_reported_after_the_timeout(tmp_path: Path) -> None:
     passed = run_checks("timeout", 2, tmp_path)
     assert passed[0] == ["a rank that never arrives is reported after the timeout"]
+
+
+def named_shared_files(pid: int) -> set[Path]:
+    """The files in /dev/shm that process ``pid`` maps or holds open and that still have their names."""
+    paths = [line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            paths.append(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            continue
+    return {Path(p) for p in paths if p.startswith("/dev/shm/lightning_zero-") and not p.endswith(" (deleted)")}
+
+
+@pytest.mark.parametrize(("window", "suffixes"), [("channel", {".seg", ".fifo"}), ("ring", {".ring"})])
+def test_a_rank_killed_while_shared_memory_opens_leaves_nothing_after_the_next_run(
+    window: str, suffixes: set[str], tmp_path: Path
+) -> None:
+    """A SIGKILL in the window where the files in /dev/shm have names (rank 0 has created its segment and FIFO, or
+    stage 3's gather ring, and waits for rank 1, which never comes) leaves them behind. The next run's channel removes
+    them, their creator being dead, and leaves nothing of its own; a run beside a live one removes nothing of it."""
+    procs = start("tests.workers.shared_memory", [str(tmp_path), f"{window}_alone"], 2, logs=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        held: set[Path] = set()
+        while {path.suffix for path in held} != suffixes:
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+            time.sleep(0.05)
+            held = named_shared_files(procs[0].pid)
+        if window == "channel":  # rank 0 alive and waiting: another run opening beside it must leave its files
+            assert run_checks("open", 2, tmp_path / "beside") == [["opened, nothing left in /dev/shm"]] * 2
+            assert all(path.exists() for path in held)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert all(path.exists() for path in held), held  # what the kill left
+    assert run_checks("open", 2, tmp_path / "next") == [["opened, nothing left in /dev/shm"]] * 2
+    assert not [path for path in held if path.exists()]
 
 
 def test_strategies_match_ddp_through_point_to_point_exchanges(

@@ -143,6 +143,12 @@ class FullyShardMode(Mode):
         if self.sharded is not None:
             self.sharded.reshard()
 
+    def settle_after_failure(self) -> None:
+        """A step stage 3 aborted leaves units gathered, which the front end's teardown could not move: drop the
+        step's unfinished gathers and reductions and reshard every unit."""
+        if self.sharded is not None:
+            self.sharded.settle()
+
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Each rank keeps its rows of every whole tensor."""
         assert self.sharded is not None

@@ -85,7 +85,7 @@ class Mode:
             check_configured(optimizer)
         if self.config.offload is OffloadTarget.DISK and self._disk is None:
             assert self.config.offload_dir is not None
-            self._disk = DiskState(self.config.offload_dir, dist.get_rank() if dist.is_initialized() else 0)
+            self._disk = DiskState(self.config.offload_dir)
         return self._wrap_optimizers(module, optimizers, precision)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
@@ -180,11 +180,12 @@ class Mode:
 
     # --- the end ----------------------------------------------------------------------------------------------------
 
+    def settle_after_failure(self) -> None:
+        """After an exception aborted a step, before the front end's teardown: bring the module to rest."""
+
     def teardown(self) -> None:
         """After training: release what only training needs; checkpoints can still be written."""
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
+        self._disk = None  # its files go with the last tensor mapping them
 
     @property
     def shard_size(self) -> int:

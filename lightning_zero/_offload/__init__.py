@@ -10,5 +10,6 @@ Vocabulary:
 - **disk state**: optimizer state tensors backed by memory-mapped files in the offload directory. Each file's space
   is reserved when it is created, so a full disk fails there, with an error naming the directory, and never in a
   later write-back; after every step the pages are dropped from the process, so resident memory holds the state
-  only while a step touches it.
+  only while a step touches it. The files have no names (see :mod:`lightning_zero._files`): the kernel frees them
+  when the process ends, however it ends, so even a killed run leaves nothing in the directory.
 """

@@ -4,28 +4,26 @@
 from __future__ import annotations
 
 import mmap
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero._files import reserved_mapping
+from lightning_zero._files import nameless_mapping
 from lightning_zero._offload.target import OffloadError
 
 
 class DiskState:
-    """Optimizer state in memory-mapped files under ``directory``, one file per state tensor.
+    """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory.
+    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory. A file's
+    space returns to the disk once nothing maps it: when its tensor is freed, or when the process ends.
     """
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.root = Path(tempfile.mkdtemp(prefix=f"lightning_zero-rank{rank}-", dir=directory))
         self._maps: list[mmap.mmap] = []
         self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
         self._bytes = 0
@@ -49,18 +47,13 @@ class DiskState:
         for mapping in self._maps:
             mapping.madvise(mmap.MADV_DONTNEED)
 
-    def close(self) -> None:
-        """Delete the files; tensors still mapped keep their pages until they are freed."""
-        shutil.rmtree(self.root, ignore_errors=True)
-
     def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         nbytes = local.numel() * local.element_size()
-        path = self.root / f"{len(self._maps)}.bin"
         try:
-            mapping = reserved_mapping(path, nbytes)
+            mapping = nameless_mapping(self.directory, nbytes)
         except OSError as error:
             raise OffloadError(
-                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}` ({path.name}):"
+                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}`:"
                 f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
                 " `offload_dir` at a larger one."
             ) from error

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
+import os
 from enum import Enum
 from pathlib import Path
+
+from lightning_zero._files import nameless_file
 
 
 class OffloadError(RuntimeError):
@@ -21,14 +23,18 @@ class OffloadTarget(Enum):
 
 def check_directory(option: str, directory: Path) -> Path:
     """``directory`` must exist and take new files, or training would fail (or lose state) later."""
+    if directory.exists() and not directory.is_dir():
+        raise OffloadError(
+            f"`{option}={str(directory)!r}` is a file, not a directory. HINT: point `{option}` at a directory on a"
+            f" local disk with room for the optimizer state, such as `{directory.parent}` (the file's own)."
+        )
     if not directory.is_dir():
         raise OffloadError(
             f"`{option}={str(directory)!r}` is not an existing directory. HINT: create it (`mkdir -p {directory}`)"
             " or point it at a directory on a local disk with room for the optimizer state."
         )
     try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_zero-probe-"):
-            pass
+        os.close(nameless_file(directory))  # as the state's files will be made
     except OSError as error:
         raise OffloadError(
             f"`{option}={str(directory)!r}` is not writable: {error.strerror}. HINT: choose a directory this process"

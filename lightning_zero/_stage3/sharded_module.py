@@ -170,6 +170,22 @@ class ShardedModule:
         assert isinstance(self.module, FSDPModule)
         self.module.reshard()
 
+    def settle(self) -> None:
+        """After an exception aborted a step: drop the step's unfinished gathers and gradient reductions and reshard
+        every unit, the root included (it stays gathered through a step), so that the module is at rest again and can
+        be moved, saved or trained. The aborted step's gradients are lost."""
+        module = self.module
+        assert isinstance(module, FSDPModule)
+        if hasattr(module, "reset_iter_state"):  # torch 2.13
+            module.reset_iter_state()
+            return
+        # Older torch: the root reshards only when told to reshard after forward, which it is not by default.
+        module.set_reshard_after_forward(True)
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+        module.set_reshard_after_forward(False, recurse=False)
+
     def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool) -> None:
         """Keep of each whole tensor in ``state_dict`` (every rank has read the checkpoint) this rank's rows."""
         options = StateDictOptions(full_state_dict=True, strict=strict)

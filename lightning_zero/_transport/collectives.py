@@ -4,17 +4,21 @@ On gloo (CPU) the ranks of one host use shared memory (:mod:`.shared_memory`). E
 reduce-scatter and all-gather are built from point-to-point messages: gloo's own reduce-scatter all-reduces the whole
 buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and measured 1.5 to 2.5 times slower than the
 exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
+
+Gloo gives up on a peer after the process group's timeout; this package's errors then name the peers and what to do
+(:mod:`.peers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from lightning_zero._transport import shared_memory
+from lightning_zero._transport import peers, shared_memory
 from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
@@ -28,19 +32,25 @@ def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.all_reduce_sum(buffer)
-        return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if not _point_to_point(group):
+            return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        with _naming_peers(group):
+            return Exchange([dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)], group)
 
 
 class Exchange:
-    """An in-flight point-to-point exchange; ``wait`` finishes it, summing received chunks where it reduces."""
+    """In-flight gloo work of ``group``: point-to-point messages, or an all-reduce. ``wait`` finishes it, summing
+    received chunks where it reduces; a peer that stalled or failed is named in the error."""
 
-    def __init__(self, works: list[Work], finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list[Work], group: ProcessGroup, finish: Callable[[], None] | None = None) -> None:
         self._works = works
+        self._group = group
         self._finish = finish
 
     def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
+        with _naming_peers(self._group):
+            for work in self._works:
+                work.wait()
         if self._finish is not None:
             with torch.profiler.record_function("lightning_zero::sum_received_chunks"):
                 self._finish()
@@ -69,6 +79,11 @@ class Chained:
 Pending = Work | Exchange | Chained | shared_memory.InFlight
 
 
+def _naming_peers(group: ProcessGroup) -> AbstractContextManager[None]:
+    """Gloo's errors in ``group``'s exchanges, posted or awaited, say which peers and what to do."""
+    return peers.naming_peers("exchange over gloo", group)
+
+
 def _point_to_point(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -89,7 +104,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
         chunks = buffer.view(size, -1)
         if size == 1:  # one rank (offloading on a single device): nothing to exchange
             output.copy_(chunks[0])
-            return Exchange([])
+            return Exchange([], group)
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.reduce_scatter_sum(output, buffer)
@@ -110,7 +125,8 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
                 if rank != others[0]:
                     output.add_(chunks[me] if rank == me else received[rank])
 
-        return Exchange(dist.batch_isend_irecv(ops), finish)
+        with _naming_peers(group):
+            return Exchange(dist.batch_isend_irecv(ops), group, finish)
 
 
 def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -125,7 +141,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
         if not in_place:
             rows[me].copy_(chunk)
         if size == 1:
-            return Exchange([])
+            return Exchange([], group)
         shared = _shared(chunk, group)
         if shared is not None:
             return shared.all_gather(output)
@@ -134,7 +150,8 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             if peer != me:
                 ops.append(dist.P2POp(dist.isend, chunk, dist.get_global_rank(group, peer), group))
                 ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
-        return Exchange(dist.batch_isend_irecv(ops))
+        with _naming_peers(group):
+            return Exchange(dist.batch_isend_irecv(ops), group)
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:

@@ -24,44 +24,51 @@ Words used below:
 The channel opens when a group's first CPU collective runs, only if every rank can map every other rank's segment;
 otherwise (ranks on several hosts, no ``/dev/shm``) the group keeps gloo and results do not change, only speed.
 ``LIGHTNING_ZERO_SHM_DISABLE=1`` keeps gloo everywhere. A rank that exits while its peers wait is noticed within a
-second (its PID is gone) and reported, instead of a hang.
+second (its PID is gone) and reported; one that stays alive but does not arrive is reported after the group's
+timeout (:mod:`.peers`), as gloo's own collectives do.
+
+The files are named after the rank that creates them and unlinked as soon as every rank holds them; what a rank
+killed in between leaves is removed when the next channel opens (:mod:`lightning_zero._shm_files`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-import secrets
 import select
+import time
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_zero._files import reserved_mapping
+from lightning_zero._transport import peers, shm_files
 
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
-_DIRECTORY = Path("/dev/shm")
+_WHERE = "shared-memory collective"
 _DISABLE = "LIGHTNING_ZERO_SHM_DISABLE"
 _POLL_SECONDS = 1.0  # how often a waiting rank checks that its peers are alive
 _CHANNELS: dict[ProcessGroup, Channel | None] = {}
 
 
 def channel(group: ProcessGroup) -> Channel | None:
-    """The shared-memory channel of ``group``, opened (a collective) at its first use; None where gloo stays."""
+    """The shared-memory channel of ``group``, opened (a collective over gloo) at its first use; None where gloo
+    stays."""
     if group not in _CHANNELS:
-        _CHANNELS[group] = Channel.open(group) if group.size() > 1 else None
+        with peers.naming_peers("shared-memory channel's opening", group):
+            _CHANNELS[group] = Channel.open(group) if group.size() > 1 else None
     return _CHANNELS[group]
 
 
 def _wanted_here() -> bool:
     """This rank can and may share memory (each rank answers for itself; the group uses it only if all can)."""
-    supported = _DIRECTORY.is_dir() and hasattr(os, "posix_fallocate") and hasattr(os, "mkfifo")  # Linux
+    supported = shm_files.DIRECTORY.is_dir() and hasattr(os, "posix_fallocate") and hasattr(os, "mkfifo")  # Linux
     return supported and os.environ.get(_DISABLE, "0") != "1"
 
 
@@ -102,7 +109,7 @@ class Channel:
         maps: list[mmap.mmap],
         inboxes: list[int],
         outboxes: list[int],
-        peer_pids: list[int],
+        prefixes: list[str],
         timeout: timedelta,
     ) -> None:
         self.group = group
@@ -111,10 +118,12 @@ class Channel:
         # per rank, per slot: 1D uint8 views of the segments
         self._slots = [[torch.frombuffer(m, dtype=torch.uint8, count=SLOT_BYTES, offset=s * SLOT_BYTES) for s in (0, 1)]
                        for m in maps]
-        self._inboxes = inboxes  # read ends of the FIFOs from each peer
+        self._inboxes = inboxes  # read ends of the FIFOs from each peer, in rank order
         self._outboxes = outboxes  # write ends of the FIFOs to each peer
-        self._peer_pids = peer_pids  # empty where PIDs cannot be watched (another PID namespace)
-        self._timeout = timeout.total_seconds()
+        # per peer rank, the process that created its files, where it can be watched (this PID namespace)
+        self._watched = _watchable(prefixes, self.rank)
+        self._pids = {rank: creator.pid for rank, creator in self._watched.items()}
+        self._timeout = timeout
         self._slot_views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # the slots in each dtype used
         self._pieces = 0
         self._in_flight: InFlight | None = None
@@ -122,68 +131,65 @@ class Channel:
         self._ring_free = 0  # bit i: ring buffer i released by every rank, as of the last barrier
 
     @classmethod
-    def open(cls, group: ProcessGroup, timeout: timedelta = dist.default_pg_timeout) -> Channel | None:
+    def open(cls, group: ProcessGroup, timeout: timedelta | None = None) -> Channel | None:
         """Collective over ``group``: every rank creates its segment and its FIFOs from each peer, then maps everyone's
-        segment and opens its FIFOs to each peer. The files are unlinked as soon as all ranks hold them, so nothing is
-        left in ``/dev/shm`` whatever happens later."""
+        segment and opens its FIFOs to each peer. The files are unlinked as soon as all ranks hold them (or opening
+        fails), so nothing is left in ``/dev/shm`` whatever happens later. Collectives then wait for a peer as long as
+        ``timeout``, by default the group's own."""
         me, size = group.rank(), group.size()
-        base = _DIRECTORY / f"lightning_zero-{_shared_token(group)}"
+        peer_ranks = [rank for rank in range(size) if rank != me]
         created: list[Path] = []
-        maps: list[mmap.mmap] = []
         fds: list[int] = []
-        ok = _wanted_here()
+        own: tuple[str, mmap.mmap, list[int]] | None = None  # this rank's prefix, segment, FIFOs from each peer
+        agreed = False
         try:
-            if ok:
-                own = _create_segment(Path(f"{base}-{me}.seg"), 2 * SLOT_BYTES, created)
-                fifos = [Path(f"{base}-{peer}-{me}.fifo") for peer in range(size) if peer != me]  # from each peer
-                inboxes = [_create_fifo(path, created, fds) for path in fifos]
-        except OSError:
-            ok = False
-        pids: list[int] = [0] * size
-        dist.all_gather_object(pids, os.getpid() if ok else 0, group=group)
-        ok = all(pids)
-        if ok:
-            try:
-                maps = [own if rank == me else _map(Path(f"{base}-{rank}.seg"), 2 * SLOT_BYTES)
-                        for rank in range(size)]
-                outboxes = [os.open(f"{base}-{me}-{peer}.fifo", os.O_WRONLY) for peer in range(size) if peer != me]
-                fds += outboxes
-            except OSError:
-                ok = False
-        agreed = _all_agree(ok, group)
-        for path in created:
-            path.unlink(missing_ok=True)
-        if not agreed:
-            for fd in fds:
-                os.close(fd)
+            if _wanted_here():
+                with contextlib.suppress(OSError):  # no room in /dev/shm, no FIFOs: the group keeps gloo
+                    own = _create_own(me, peer_ranks, created, fds)
+            prefixes: list[str | None] = [None] * size  # where every rank's files are, which names their creator
+            dist.all_gather_object(prefixes, None if own is None else own[0], group=group)
+            maps: list[mmap.mmap] = []
+            outboxes: list[int] = []
+            if own is not None and all(prefixes):
+                with contextlib.suppress(OSError):
+                    maps = [own[1] if rank == me else _map(_segment(prefixes[rank], rank), 2 * SLOT_BYTES)
+                            for rank in range(size)]
+                    for peer in peer_ranks:
+                        outboxes.append(os.open(_fifo(prefixes[peer], me, peer), os.O_WRONLY))
+                        fds.append(outboxes[-1])
+            agreed = _all_agree(len(maps) == size and len(outboxes) == len(peer_ranks), group)
+        finally:
+            for path in created:
+                path.unlink(missing_ok=True)
+            if not agreed:
+                for fd in fds:
+                    os.close(fd)
+        if not agreed or own is None:
             return None
-        peers = [pid for rank, pid in enumerate(pids) if rank != me]
-        return cls(group, maps, inboxes, outboxes, peers if all(map(_alive, peers)) else [], timeout)
+        timeout = peers.group_timeout(group) if timeout is None else timeout
+        return cls(group, maps, own[2], outboxes, prefixes, timeout)  # type: ignore[arg-type]
 
     def open_gather_ring(self, buffer_bytes: int) -> bool:
         """Collective: rank 0 creates the stage-3 gather ring of ``RING_SIZE`` buffers of ``buffer_bytes``, every rank
         maps it. False (and no ring) where ``/dev/shm`` has no room for it."""
         self._finish_in_flight()
         self._ring = None  # an earlier ring's buffers stay alive while ``fully_shard`` holds them, never handed out
-        name = _DIRECTORY / f"lightning_zero-{_shared_token(self.group)}.ring"
         created: list[Path] = []
         mapped: mmap.mmap | None = None
-        ok = True
-        if self.rank == 0:
-            try:
-                mapped = _create_segment(name, RING_SIZE * buffer_bytes, created)
-            except OSError:
-                ok = False
-        shared = [ok]
-        dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if shared[0] and self.rank != 0:
-            try:
-                mapped = _map(name, RING_SIZE * buffer_bytes)
-            except OSError:
-                ok = False
-        agreed = _all_agree(ok and shared[0], self.group)
-        for path in created:
-            path.unlink(missing_ok=True)
+        size = RING_SIZE * buffer_bytes
+        try:
+            if self.rank == 0:
+                with contextlib.suppress(OSError):
+                    mapped = _create_segment(Path(f"{shm_files.new_prefix()}.ring"), size, created)
+            name = [created[0] if created else None]  # rank 0's ring; None where it could not create one
+            dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if name[0] is not None and self.rank != 0:
+                with contextlib.suppress(OSError):
+                    mapped = _map(name[0], size)
+            agreed = _all_agree(mapped is not None, self.group)
+        finally:
+            for path in created:
+                path.unlink(missing_ok=True)
         if not agreed or mapped is None:
             return False
         self._ring = GatherRing(mapped, buffer_bytes)
@@ -285,40 +291,37 @@ class Channel:
         then read every peer's; the ring buffers every rank has released are those of all the bytes."""
         status = self._ring.released() if self._ring is not None else 0
         message = bytes([status])
-        try:
-            for fd in self._outboxes:
+        for fd, rank in zip(self._outboxes, self._peers(), strict=True):
+            try:
                 os.write(fd, message)
-        except BrokenPipeError:  # the reader of that FIFO is gone
-            self._stop("a peer process exited")
+            except BrokenPipeError:  # the reader of that FIFO is gone
+                raise peers.exited(_WHERE, self.rank, rank, self._pids) from None
         yield
         for byte in self._read_peers():
             status &= byte
         self._ring_free = status
 
     def _read_peers(self) -> list[int]:
-        """One byte from each peer's FIFO, waiting as long as the group's timeout while the peers are alive."""
-        received: dict[int, int] = {}
-        waited = 0.0
-        while len(received) < len(self._inboxes):
-            pending = [fd for fd in self._inboxes if fd not in received]
-            ready, _, _ = select.select(pending, [], [], _POLL_SECONDS)
+        """One byte from each peer's FIFO, waiting as long as the timeout while the peers are alive."""
+        waiting = dict(zip(self._inboxes, self._peers(), strict=True))  # FIFO -> the peer rank that writes it
+        received = []
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while waiting:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select(list(waiting), [], [], min(_POLL_SECONDS, max(left, 0.0)))
             for fd in ready:
-                received[fd] = os.read(fd, 1)[0]
+                received.append(os.read(fd, 1)[0])
+                del waiting[fd]
             if ready:
                 continue
-            waited += _POLL_SECONDS
-            gone = [pid for pid in self._peer_pids if not _alive(pid)]
-            if gone:
-                self._stop(f"peer process {gone[0]} exited")
-            if waited >= self._timeout:
-                self._stop(f"no rank arrived within {self._timeout:.0f} s")
-        return list(received.values())
-
-    def _stop(self, reason: str) -> NoReturn:
-        raise RuntimeError(
-            f"lightning_zero's shared-memory collective on rank {self.rank} stopped: {reason}. HINT: the other ranks'"
-            " logs say why; ranks must run the same collectives in the same order."
-        )
+            for rank in waiting.values():
+                if rank in self._watched and self._watched[rank].is_dead():
+                    raise peers.exited(_WHERE, self.rank, rank, self._pids)
+            if left <= 0:
+                missing = sorted(waiting.values())
+                raise peers.stalled(_WHERE, self.rank, peers.ranks(missing, self._pids), self._timeout,
+                                    [self._pids[r] for r in missing if r in self._pids])
+        return received
 
 
 class GatherRing:
@@ -355,11 +358,25 @@ def _all_agree(ok: bool, group: ProcessGroup) -> bool:
     return all(everyone)
 
 
-def _shared_token(group: ProcessGroup) -> str:
-    """A name part that rank 0 draws and every rank of ``group`` receives."""
-    token = [secrets.token_hex(8) if group.rank() == 0 else None]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    return str(token[0])
+def _create_own(
+    me: int, peer_ranks: list[int], created: list[Path], fds: list[int]
+) -> tuple[str, mmap.mmap, list[int]]:
+    """This rank's files of a new channel, after reclaiming what dead runs left: the prefix of their paths, its
+    segment, and its FIFOs from each peer (opened for reading)."""
+    shm_files.reclaim()
+    prefix = shm_files.new_prefix()
+    segment = _create_segment(_segment(prefix, me), 2 * SLOT_BYTES, created)
+    return prefix, segment, [_create_fifo(_fifo(prefix, peer, me), created, fds) for peer in peer_ranks]
+
+
+def _segment(prefix: str, rank: int) -> Path:
+    """The segment of group rank ``rank``, whose files start with ``prefix``."""
+    return Path(f"{prefix}-{rank}.seg")
+
+
+def _fifo(prefix: str, writer: int, reader: int) -> Path:
+    """The FIFO from ``writer`` to ``reader``, created by ``reader`` (whose files start with ``prefix``)."""
+    return Path(f"{prefix}-{writer}-{reader}.fifo")
 
 
 def _create_segment(path: Path, size: int, created: list[Path]) -> mmap.mmap:
@@ -385,22 +402,14 @@ def _map(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs; a zombie (exited, not yet reaped by its parent, as a rank started by rank 0
-    is) counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: the signal test, blind to zombies
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+def _watchable(prefixes: list[str], me: int) -> dict[int, shm_files.Creator]:
+    """Per peer rank, the process that created its files (named in its ``prefixes`` entry), where this process can
+    tell whether it is alive: in the same PID namespace."""
+    mine = shm_files.Creator.this_process()
+    creators = {rank: shm_files.Creator.of(Path(prefix).name) for rank, prefix in enumerate(prefixes) if rank != me}
+    if mine is None:
+        return {}
+    return {rank: c for rank, c in creators.items() if c is not None and c.namespace == mine.namespace}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

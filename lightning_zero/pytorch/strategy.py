@@ -4,6 +4,7 @@ mode (:mod:`lightning_zero._core.mode`), which does the ZeRO work for the stage 
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -362,6 +363,21 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         """Around ``configure_model``: stage 3 creates parameters on the meta device (see ``tensor_init_context``)."""
         with super().model_sharded_context(), self.mode.init_context(True):
             yield
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Before Lightning's teardown of a failed run: the mode brings the module to rest (stage 3 may have units
+        gathered, which teardown could not move, and the user would see that error instead of their own). Should
+        that fail too, say so beside the user's exception, never instead of it."""
+        super().on_exception(exception)
+        try:
+            self.mode.settle_after_failure()
+        except Exception as error:
+            warnings.warn(
+                f"lightning_zero could not reshard the stage-3 module after the failure above ({error!r}); moving or"
+                " saving the module may fail as well. HINT: the failure above is the one to fix.",
+                stacklevel=2,
+            )
 
     @override
     def teardown(self) -> None:

@@ -1,7 +1,7 @@
 """Runs inside each of N processes (started by tests/launch.py): checks the shared-memory collectives against gloo's
 own and against sums computed from every rank's data, then writes the names of the checks that passed.
 
-``python -m tests.workers.shared_memory OUT collectives|peer_exit|timeout``
+``python -m tests.workers.shared_memory OUT open|collectives|peer_exit|timeout|channel_alone|ring_alone``
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import shared_memory as shared_memory
+from lightning_zero._transport import shared_memory
+from lightning_zero._transport.shm_files import PREFIX, Creator
 
 SIZES = [1, 7, 1000, shared_memory.SLOT_BYTES // 4 + 13, 3 * shared_memory.SLOT_BYTES // 8 + 5]  # up to 3 pieces
 
@@ -28,13 +29,16 @@ def data(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(numel, generator=gen).to(dtype)
 
 
+def check_open(group: dist.ProcessGroup, passed: list[str]) -> None:
+    assert shared_memory.channel(group) is not None, "the ranks of one host should share memory"
+    pids: list[int] = [0] * group.size()
+    dist.all_gather_object(pids, os.getpid(), group=group)  # every rank has unlinked its files
+    assert not leftovers(pids), f"files left in /dev/shm: {leftovers(pids)}"
+    passed.append("opened, nothing left in /dev/shm")
+
+
 def check_collectives(group: dist.ProcessGroup, passed: list[str]) -> None:
     size, me = group.size(), group.rank()
-    assert shared_memory.channel(group) is not None, "the ranks of one host should share memory"
-    dist.barrier()  # every rank has unlinked its files
-    leftovers = [p for p in os.listdir("/dev/shm") if p.startswith("lightning_zero-")]
-    assert not leftovers, f"files left in /dev/shm: {leftovers}"
-    passed.append("opened, nothing left in /dev/shm")
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for seed, numel in enumerate(SIZES):
             chunks = [data(r, numel, dtype, seed) for r in range(size)]
@@ -150,19 +154,44 @@ def check_timeout(group: dist.ProcessGroup, passed: list[str]) -> None:
     channel.close()
 
 
+def leftovers(pids: list[int]) -> list[str]:
+    """Entries in /dev/shm of the processes ``pids``, or whose creator their name does not say (other runs' entries,
+    of other tests running beside this one, are theirs to check)."""
+    entries = [name for name in os.listdir("/dev/shm") if name.startswith(PREFIX)]
+    return [name for name in entries if (creator := Creator.of(name)) is None or creator.pid in pids]
+
+
+def check_opening_alone(group: dist.ProcessGroup, window: str) -> None:
+    """Rank 1 never comes to the channel's opening (``window="channel"``) or the gather ring's (``"ring"``): rank 0
+    creates its files and waits, for the test to kill it there."""
+    if window == "ring":
+        assert shared_memory.channel(group) is not None
+    if group.rank() == 1:
+        time.sleep(120)
+    channel = shared_memory.channel(group)
+    if window == "ring":
+        assert channel is not None
+        channel.open_gather_ring(2**20)
+
+
 def main(out: Path, check: str) -> None:
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     assert group is not None
     passed: list[str] = []
     match check:
+        case "open":
+            check_open(group, passed)
         case "collectives":
+            check_open(group, passed)
             check_collectives(group, passed)
             check_gather_ring(group, passed)
         case "peer_exit":
             check_peer_exit(group, passed)
         case "timeout":
             check_timeout(group, passed)
+        case "channel_alone" | "ring_alone":
+            check_opening_alone(group, check.removesuffix("_alone"))
     (out / f"rank{group.rank()}.json").write_text(json.dumps(passed))
     sys.stdout.flush()
     os._exit(0)  # a peer may be gone: skip gloo's teardown

@@ -1,0 +1,94 @@
+"""How long a rank waits for its peers in this package's collectives, and what it says when one fails to come.
+
+A collective waits for its peers as long as the process group's *timeout*: the one it was created with
+(``init_process_group(timeout=...)``, which Lightning's strategies pass from their own ``timeout``), the limit of gloo's
+and NCCL's own collectives too. It is read from the group, never from a setting of this package, so that every group
+keeps its own.
+
+A peer can fail to come in two ways: it *stalled* (alive, but not in this collective: stopped, stuck, or running other
+collectives), reported once the timeout has passed; or it *exited*, reported as soon as that is seen.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+# how gloo says a peer did not arrive in time: "Timed out waiting 5000ms for recv operation to complete" in a wait, or
+# "Application timeout caused pair closure" when the next message to that peer is posted
+_GLOO_TIMED_OUT = re.compile("timed out|timeout", re.IGNORECASE)
+
+
+class PeerError(RuntimeError):
+    """A collective that cannot complete because a peer rank stalled or exited."""
+
+
+def group_timeout(group: ProcessGroup) -> timedelta:
+    """``group``'s timeout, as its CPU backend holds it; torch's default where a backend keeps it elsewhere."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
+def stalled(where: str, rank: int, missing: str, timeout: timedelta, pids: list[int]) -> PeerError:
+    """The error of ``rank`` that waited ``timeout`` for the peers ``missing`` names (see :func:`ranks`), whose
+    ``pids`` are known."""
+    dump = "".join(f" or `py-spy dump --pid {pid}`" for pid in pids)
+    return PeerError(
+        f"lightning_zero's {where} on rank {rank} gave up: {missing} did not arrive within {_seconds(timeout)}, the"
+        " process group's timeout (the strategy's `timeout`). HINT: a rank that does not arrive is alive but"
+        f" elsewhere: stopped (SIGSTOP, a debugger), stuck, or in other collectives; its log{dump} shows where. If"
+        " steps legitimately take longer, pass a larger `timeout` to the strategy."
+    )
+
+
+def exited(where: str, rank: int, peer: int, pids: dict[int, int]) -> PeerError:
+    """The error of ``rank`` whose ``peer`` exited while ``rank`` waited for it (its PID named where in ``pids``)."""
+    return PeerError(
+        f"lightning_zero's {where} on rank {rank} stopped: {ranks([peer], pids)} exited while this rank waited for"
+        f" it. HINT: rank {peer}'s own log says why it ended (an exception, or a kill: out of memory, the job"
+        " scheduler); this rank's error is only its consequence."
+    )
+
+
+def failed(where: str, rank: int, peers: list[int], error: BaseException) -> PeerError:
+    """The error of ``rank`` whose exchange with ``peers`` failed in the backend (a connection lost: a peer exited)."""
+    return PeerError(
+        f"lightning_zero's {where} on rank {rank} with {ranks(peers)} failed: {error}. HINT: a peer that exits or"
+        " loses its connection fails the exchange; the other ranks' logs say why."
+    )
+
+
+@contextmanager
+def naming_peers(where: str, group: ProcessGroup) -> Generator[None, None, None]:
+    """Gloo's errors in ``group``'s collectives inside, which do not say which peer nor what to do, as the errors above
+    (gloo does not say which peer either: every other rank is named)."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as error:
+        me = group.rank()
+        others = [rank for rank in range(group.size()) if rank != me]
+        if _GLOO_TIMED_OUT.search(str(error)):
+            raise stalled(where, me, ranks(others, one_of=True), group_timeout(group), []) from error
+        raise failed(where, me, others, error) from error
+
+
+def ranks(peers: list[int], pids: dict[int, int] | None = None, one_of: bool = False) -> str:
+    """``"rank 1 (PID 123)"``, ``"ranks 1, 2"`` or, where the backend does not say which, ``"one of ranks 1, 2"``."""
+    named = [f"{p}" + (f" (PID {pids[p]})" if pids and p in pids else "") for p in peers]
+    if len(named) == 1:
+        return f"rank {named[0]}"
+    return f"{'one of ' if one_of else ''}ranks {', '.join(named)}"
+
+
+def _seconds(timeout: timedelta) -> str:
+    return f"{timeout.total_seconds():g} s"
