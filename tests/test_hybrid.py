@@ -42,6 +42,12 @@ def test_matches_ddp(runs: dict[str, Any], stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+def test_groups_wait_as_long_as_the_strategys_timeout(runs: dict[str, Any], stage: int) -> None:
+    """A stalled rank costs the strategy's `timeout` in the shard and replicate groups too, not torch's 30 minutes."""
+    assert runs[f"zero{stage}"]["timeouts"] == [123.0, 123.0, 123.0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_only_gradient_shards_cross_nodes(runs: dict[str, Any], stage: int) -> None:
     """Parameters are gathered within a node; what crosses is the all-reduce of this rank's gradient shards."""
     crossing = runs[f"zero{stage}"]["across_nodes"]

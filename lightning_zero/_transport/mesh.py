@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_zero._transport.peers import group_timeout
+
 
 @dataclass(frozen=True)
 class DataParallelMesh:
@@ -42,18 +44,28 @@ _MESHES: dict[tuple[ProcessGroup, str, int], DataParallelMesh] = {}
 
 
 def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
-    """Collective on first use: the mesh of shard groups of ``shard_size`` consecutive ranks."""
+    """Collective on first use: the mesh of shard groups of ``shard_size`` consecutive ranks. The groups wait for
+    their peers as long as the default group does (the strategy's ``timeout``), where new groups would otherwise get
+    torch's default of 30 minutes."""
     world = dist.group.WORLD
     assert world is not None
     key = (world, device_type, shard_size)
+    for stale in [k for k in _MESHES if k[0] is not world]:  # of a process group destroyed since
+        del _MESHES[stale]
     if key not in _MESHES:
         world_size = world.size()
         if shard_size == world_size:
             _MESHES[key] = DataParallelMesh(init_device_mesh(device_type, (world_size,)), None, world)
         else:
-            shape = (world_size // shard_size, shard_size)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-            _MESHES[key] = DataParallelMesh(mesh["shard"], mesh.get_group("replicate"), world)
+            timeout = group_timeout(world)
+            # every rank creates every group, in the same order, as `new_group` requires
+            shards = [list(range(start, start + shard_size)) for start in range(0, world_size, shard_size)]
+            replicas = [list(range(offset, world_size, shard_size)) for offset in range(shard_size)]
+            groups = {tuple(ranks): dist.new_group(ranks, timeout=timeout) for ranks in (*shards, *replicas)}
+            rank = world.rank()
+            shard = groups[tuple(shards[rank // shard_size])]
+            replicate = groups[tuple(replicas[rank % shard_size])]
+            _MESHES[key] = DataParallelMesh(DeviceMesh.from_group(shard, device_type), replicate, world)
     return _MESHES[key]
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
+from lightning_zero._transport.peers import group_timeout
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero.memory import engine_of, measure
 from tests.workers.checkpoints import full_snapshot
@@ -43,13 +46,17 @@ def main() -> None:
     phase, out = sys.argv[1], Path(sys.argv[2])
     results: dict[str, Any] = {}
     if phase == "train":  # 2 nodes of 2
-        results["ddp"] = full_snapshot(fit("ddp", 6, nodes=2))
+        # the first run creates the process group, with its strategy's timeout, which the shard groups must keep
+        results["ddp"] = full_snapshot(fit(DDPStrategy(timeout=timedelta(seconds=123)), 6, nodes=2))
         for stage in (1, 2, 3):
             TRAFFIC.reset()
             trainer = fit(ZeroStrategy(stage=stage, shard_group_size="node"), 6, nodes=2)
+            mesh = trainer.strategy.mode._mesh()
+            waits = [group_timeout(g).total_seconds() for g in (mesh.shard_group, mesh.replicate, mesh.world)]
             held = next(c for c in trainer.callbacks if isinstance(c, Held)).held
             results[f"zero{stage}"] = {
-                **full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes), "model_state": held
+                **full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes), "model_state": held,
+                "timeouts": waits,
             }
             trainer.save_checkpoint(out / f"hybrid-zero{stage}")
     elif phase == "resume":  # 2 ranks on one node, full sharding under another stage, from each hybrid checkpoint
