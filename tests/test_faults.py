@@ -6,9 +6,7 @@ Timing: a stalled rank is reported (the error reaches Lightning) once the strate
 passed since the survivor began to wait, at most a step after the SIGSTOP; ``REPORTED_WITHIN`` adds 3 s for that step
 and a loaded 2-core machine.
 A dead peer is seen within the channel's 1 s poll (gloo: at once, the connection resets). The survivor then tears down
-and exits; ``EXITED_WITHIN`` bounds that generously, as the interpreter's exit on a loaded machine takes seconds. Before
-these fixes the survivor of a stalled rank waited for the shared-memory channel's 30 minutes, and under stage 3 every
-failure ended in an ``AttributeError`` from Lightning's teardown.
+and exits; ``EXITED_WITHIN`` bounds that generously, as the interpreter's exit on a loaded machine takes seconds.
 """
 
 from __future__ import annotations
