@@ -63,31 +63,36 @@ def named_shared_files(pid: int) -> set[Path]:
     return {Path(p) for p in paths if p.startswith("/dev/shm/lightning_zero-") and not p.endswith(" (deleted)")}
 
 
-@pytest.mark.parametrize(("window", "suffixes"), [("channel", {".seg", ".fifo"}), ("ring", {".ring"})])
-def test_a_rank_killed_while_shared_memory_opens_leaves_nothing_after_the_next_run(
-    window: str, suffixes: set[str], tmp_path: Path
-) -> None:
-    """A SIGKILL in the window where the files in /dev/shm have names (rank 0 has created its segment and FIFO, or
-    stage 3's gather ring, and waits for rank 1, which never comes) leaves them behind. The next run's channel removes
-    them, their creator being dead, and leaves nothing of its own; a run beside a live one removes nothing of it."""
-    procs = start("tests.workers.shared_memory", [str(tmp_path), f"{window}_alone"], 2, logs=tmp_path)
+def test_ranks_killed_while_shared_memory_opens_leave_nothing_after_the_next_run(tmp_path: Path) -> None:
+    """Two runs, each with a rank 0 SIGKILLed in the window where its files in /dev/shm have names: it has created its
+    segment and FIFO (the channel's opening), or stage 3's gather ring, and waits for rank 1, which never comes. The
+    files stay behind; the next run's channel removes them, their creator being dead, and leaves nothing of its own.
+    A run that opens while those ranks are still alive removes nothing of theirs."""
+    windows = {"channel": {".seg", ".fifo"}, "ring": {".ring"}}  # each window's files
+    procs = {}
+    for window in windows:
+        (tmp_path / window).mkdir()
+        procs[window] = start("tests.workers.shared_memory", [str(tmp_path / window), f"{window}_alone"], 2,
+                              logs=tmp_path / window)
     try:
         deadline = time.monotonic() + 60
-        held: set[Path] = set()
-        while {path.suffix for path in held} != suffixes:
-            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+        held: dict[str, set[Path]] = {window: set() for window in windows}
+        while any({path.suffix for path in held[w]} != suffixes for w, suffixes in windows.items()):
+            for window, (rank_0, _) in procs.items():
+                running = time.monotonic() < deadline and rank_0.poll() is None
+                assert running, (tmp_path / window / "rank0.log").read_text()
+                held[window] = named_shared_files(rank_0.pid)
             time.sleep(0.05)
-            held = named_shared_files(procs[0].pid)
-        if window == "channel":  # rank 0 alive and waiting: another run opening beside it must leave its files
-            assert run_checks("open", 2, tmp_path / "beside") == [["opened, nothing left in /dev/shm"]] * 2
-            assert all(path.exists() for path in held)
+        left = set().union(*held.values())
+        assert run_checks("open", 2, tmp_path / "beside") == [["opened, nothing left in /dev/shm"]] * 2
+        assert all(path.exists() for path in left), "a live run's files were removed"
     finally:
-        for proc in procs:
+        for proc in [p for pair in procs.values() for p in pair]:
             proc.kill()
             proc.wait()
-    assert all(path.exists() for path in held), held  # what the kill left
+    assert all(path.exists() for path in left), left  # what the kills left
     assert run_checks("open", 2, tmp_path / "next") == [["opened, nothing left in /dev/shm"]] * 2
-    assert not [path for path in held if path.exists()]
+    assert not [path for path in left if path.exists()]
 
 
 def test_strategies_match_ddp_through_point_to_point_exchanges(

@@ -7,11 +7,19 @@ keeps its own.
 
 A peer can fail to come in two ways: it *stalled* (alive, but not in this collective: stopped, stuck, or running other
 collectives), reported once the timeout has passed; or it *exited*, reported as soon as that is seen.
+
+A timeout in one of torch's own collectives can be *swallowed* by its caller: Lightning broadcasts a SIGTERM flag at
+the start of every training step and ignores that broadcast's errors. Gloo then fails its next collective with that
+peer at once (it closed the connection), but the shared-memory channel would wait a second timeout. So the timeouts of
+torch's collectives are *witnessed* here (:func:`timed_out_since`), from the record torch keeps of every collective
+that raised, and the channel reports a stalled peer at once after one.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,6 +37,39 @@ class PeerError(RuntimeError):
     """A collective that cannot complete because a peer rank stalled or exited."""
 
 
+class _TimeoutWitness(logging.Handler):
+    """Keeps the last timeout among the collectives of torch that raised in this process: torch logs each one, with its
+    error, to its c10d logger (at DEBUG, not propagated, so nothing is printed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.last: tuple[float, str] | None = None  # (time.monotonic() when seen, "<collective>: <error>")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        entry = record.msg
+        if isinstance(entry, dict) and _GLOO_TIMED_OUT.search(str(entry.get("error", ""))):
+            self.last = (time.monotonic(), f"`{entry.get('func_name')}`: {entry['error']}")
+
+
+_WITNESS = _TimeoutWitness()
+
+
+def witness_timeouts() -> None:
+    """Start witnessing the timeouts of torch's collectives (idempotent); where torch keeps no such record, none are."""
+    from torch.distributed import c10d_logger
+
+    logger = getattr(c10d_logger, "_c10d_logger", None)
+    if isinstance(logger, logging.Logger) and _WITNESS not in logger.handlers:
+        logger.addHandler(_WITNESS)
+
+
+def timed_out_since(moment: float) -> str | None:
+    """The collective of torch, and its error, that timed out in this process after ``moment`` (``time.monotonic()``),
+    if one did."""
+    last = _WITNESS.last
+    return last[1] if last is not None and last[0] > moment else None
+
+
 def group_timeout(group: ProcessGroup) -> timedelta:
     """``group``'s timeout, as its CPU backend holds it; torch's default where a backend keeps it elsewhere."""
     try:
@@ -37,15 +78,18 @@ def group_timeout(group: ProcessGroup) -> timedelta:
         return dist.default_pg_timeout
 
 
-def stalled(where: str, rank: int, missing: str, timeout: timedelta, pids: list[int]) -> PeerError:
+def stalled(
+    where: str, rank: int, missing: str, timeout: timedelta, pids: list[int], earlier: str | None = None
+) -> PeerError:
     """The error of ``rank`` that waited ``timeout`` for the peers ``missing`` names (see :func:`ranks`), whose
-    ``pids`` are known."""
+    ``pids`` are known; ``earlier``: the swallowed timeout of torch's collective in which it waited."""
     dump = "".join(f" or `py-spy dump --pid {pid}`" for pid in pids)
+    swallowed = f", in an earlier collective that its caller went past ({earlier})" if earlier else ""
     return PeerError(
         f"lightning_zero's {where} on rank {rank} gave up: {missing} did not arrive within {_seconds(timeout)}, the"
-        " process group's timeout (the strategy's `timeout`). HINT: a rank that does not arrive is alive but"
-        f" elsewhere: stopped (SIGSTOP, a debugger), stuck, or in other collectives; its log{dump} shows where. If"
-        " steps legitimately take longer, pass a larger `timeout` to the strategy."
+        f" process group's timeout (the strategy's `timeout`){swallowed}. HINT: a rank that does not arrive is alive"
+        f" but elsewhere: stopped (SIGSTOP, a debugger), stuck, or in other collectives; its log{dump} shows where."
+        " If steps legitimately take longer, pass a larger `timeout` to the strategy."
     )
 
 

@@ -41,6 +41,7 @@ import time
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,10 @@ class Channel:
         self._in_flight: InFlight | None = None
         self._ring: GatherRing | None = None
         self._ring_free = 0  # bit i: ring buffer i released by every rank, as of the last barrier
+        # the error that ended the channel: a peer stalled or exited, and the FIFOs' byte order is lost with it
+        self._broken: peers.PeerError | None = None
+        self._settled = time.monotonic()  # when every peer last arrived (a barrier completed)
+        peers.witness_timeouts()
 
     @classmethod
     def open(cls, group: ProcessGroup, timeout: timedelta | None = None) -> Channel | None:
@@ -289,17 +294,26 @@ class Channel:
     def _barrier(self) -> Generator[None, None, None]:
         """Send this rank's status byte to every peer, pause (the caller goes on after a collective's first piece),
         then read every peer's; the ring buffers every rank has released are those of all the bytes."""
+        if self._broken is not None:  # report it again at once: waiting another timeout would tell nothing new
+            raise self._broken.with_traceback(None)
+        earlier = peers.timed_out_since(self._settled)
+        if earlier is not None:  # this rank already waited a timeout for a peer since they last met
+            missing = peers.ranks(self._peers(), self._pids, one_of=True)
+            self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, list(self._pids.values()), earlier))
         status = self._ring.released() if self._ring is not None else 0
         message = bytes([status])
         for fd, rank in zip(self._outboxes, self._peers(), strict=True):
             try:
                 os.write(fd, message)
             except BrokenPipeError:  # the reader of that FIFO is gone
-                raise peers.exited(_WHERE, self.rank, rank, self._pids) from None
+                self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
         yield
+        if self._broken is not None:
+            raise self._broken.with_traceback(None)
         for byte in self._read_peers():
             status &= byte
         self._ring_free = status
+        self._settled = time.monotonic()
 
     def _read_peers(self) -> list[int]:
         """One byte from each peer's FIFO, waiting as long as the timeout while the peers are alive."""
@@ -316,12 +330,18 @@ class Channel:
                 continue
             for rank in waiting.values():
                 if rank in self._watched and self._watched[rank].is_dead():
-                    raise peers.exited(_WHERE, self.rank, rank, self._pids)
+                    self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
             if left <= 0:
                 missing = sorted(waiting.values())
-                raise peers.stalled(_WHERE, self.rank, peers.ranks(missing, self._pids), self._timeout,
-                                    [self._pids[r] for r in missing if r in self._pids])
+                pids = [self._pids[r] for r in missing if r in self._pids]
+                self._break(peers.stalled(_WHERE, self.rank, peers.ranks(missing, self._pids), self._timeout, pids))
         return received
+
+    def _break(self, error: peers.PeerError) -> NoReturn:
+        """End the channel with ``error``: every later collective raises it at once (several can be in flight, and
+        autograd runs the end-of-backward callback even after a hook failed)."""
+        self._broken = error
+        raise error
 
 
 class GatherRing:

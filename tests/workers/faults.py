@@ -8,8 +8,10 @@ run ended and leaves a marker file the test waits on.
 - ``strategy``: ``"zero1"``, ``"zero2"`` or ``"zero3"``;
 - ``fault``: ``"none"`` (train until the test stops or kills a rank; no validation, so that every collective of a step
   is this package's), ``"training_step"`` or ``"validation_step"`` (every rank raises ``ValueError`` there at global
-  step ``RAISE_AT``), or ``"rank1_stops"`` (rank 1 stops itself with SIGSTOP at the start of ``training_step`` at step
-  ``RAISE_AT``, after writing ``OUT/rank1.stopped``: the test kills it there, while rank 0 waits in the forward).
+  step ``RAISE_AT``), ``"rank1_stops_in_step"`` (rank 1 stops itself with SIGSTOP at the start of ``training_step`` at
+  step ``RAISE_AT``, after writing ``OUT/rank1.stopped``: rank 0 then waits in the forward) or
+  ``"rank1_stops_between_steps"`` (the same once step ``RAISE_AT`` has ended: rank 0 then waits first in Lightning's
+  broadcast at the start of the next step).
 
 Each rank writes ``OUT/rank<r>.reached`` once its first run has finished step ``REACHED``, and after each run that
 raised, ``OUT/rank<r>.json``: per run so far, the exception that left ``fit`` (type, message, the traceback Python
@@ -49,10 +51,19 @@ class FailingLM(TiedLM):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.fault == "training_step" and self.global_step == RAISE_AT:
             raise ValueError(f"deliberate failure in training_step at step {RAISE_AT}")
-        if self.fault == "rank1_stops" and self.global_step == RAISE_AT and self.global_rank == 1:
+        if self.fault == "rank1_stops_in_step" and self.global_step == RAISE_AT:
+            self._stop_rank1()
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        super().on_train_batch_end(*args)
+        if self.fault == "rank1_stops_between_steps" and self.global_step == RAISE_AT:
+            self._stop_rank1()
+
+    def _stop_rank1(self) -> None:
+        if self.global_rank == 1:
             (self.out / "rank1.stopped").touch()
             os.kill(os.getpid(), signal.SIGSTOP)
-        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if self.fault == "validation_step" and self.global_step == RAISE_AT:
