@@ -28,7 +28,7 @@ second (its PID is gone) and reported; one that stays alive but does not arrive 
 timeout (:mod:`.peers`), as gloo's own collectives do.
 
 The files are named after the rank that creates them and unlinked as soon as every rank holds them; what a rank
-killed in between leaves is removed when the next channel opens (:mod:`lightning_zero._shm_files`).
+killed in between leaves is removed when the next channel opens (:mod:`lightning_zero._transport.shm_files`).
 """
 
 from __future__ import annotations
