@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_zero import _distributed_checkpoint as ckpt
+from lightning_zero._distributed_checkpoint import readable_directory as readable_directory  # for the strategy
 from lightning_zero._engine import ZeroEngine
 from lightning_zero._optimizer import ZeroOptimizer
+from lightning_zero._unpickling import Unpickling
 
 # In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
 SHARDED_KEYS = "lightning_zero_sharded_keys"
@@ -56,31 +58,34 @@ def named_optimizer_state(optimizer: Optimizer, module: nn.Module) -> dict[str, 
     return ckpt.named_optimizer_state(optimizer.state_dict(), names)
 
 
-def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path, rank: int, barrier: Any) -> None:
-    """Write Lightning's ``checkpoint`` (model and optimizer states as made by this module) as a directory."""
+def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path) -> None:
+    """Write Lightning's ``checkpoint`` (model and optimizer states as made by this module) as a directory, with every
+    rank of the default process group."""
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     shapes = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
     model_state, optimizer_states = checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
     flat, optimizer_meta = ckpt.flatten(model_state, optimizer_states, shapes)
-    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, rank, barrier)
+    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, ckpt.Ranks.of_default_group())
 
 
 # --- loading a checkpoint directory ----------------------------------------------------------------------------------
 
 
 def load_directory(
-    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer]
+    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer], weights_only: bool | None
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
-    return the rest of the Lightning checkpoint."""
-    meta, metadata = ckpt.read_meta(path)
+    return the rest of the Lightning checkpoint. ``weights_only`` is the user's, as Lightning passes it on: what the
+    pickled files may import (see :class:`~lightning_zero._unpickling.Unpickling`)."""
+    unpickling = Unpickling.from_weights_only(weights_only)
+    meta, metadata = ckpt.read_meta(path, ckpt.Ranks.of_default_group(), unpickling)
     model_target = {ckpt.MODEL + k: v for k, v in sharded_model_state(module, engine).items()}
     targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
     flat = dict(model_target)
     for target in targets:
         flat.update(target)
     ckpt.check_compatible(flat, metadata, path)
-    ckpt.load(flat, path)
+    ckpt.load(flat, path, metadata, unpickling)
     if engine is not None:
         with torch.no_grad():
             engine.module_from_masters()  # and the rows other ranks own

@@ -1,38 +1,59 @@
 """The sharded checkpoint: a directory that every rank writes its own shards into, readable at any world size and
 under any stage.
 
-Layout of a checkpoint directory (written by ``torch.distributed.checkpoint``, DCP, plus one file of ours):
+Layout of a checkpoint directory (written by ``torch.distributed.checkpoint``, DCP, plus two files of ours):
 
 - one flat DCP state dict whose keys never nest, so parameter names may hold dots:
   ``model/<fqn>`` a parameter or buffer; ``optim/<i>/state/<fqn>/<key>`` one entry of optimizer ``i``'s state for
   the parameter named ``<fqn>``. Sharded parameters and their parameter-shaped state are saved as DTensors, so DCP
-  records global offsets and can hand any rank layout back; everything else is saved once, by rank 0;
-- ``lightning_zero.pt``, written last by rank 0: the rest of Lightning's checkpoint (loops, callbacks, schedulers,
+  records global offsets and can hand any rank layout back; everything else is saved once, by rank 0. DCP writes
+  ``__<rank>_0.distcp`` per rank and its index, ``.metadata``;
+- ``lightning_zero.pt``, written by rank 0: the rest of Lightning's checkpoint (loops, callbacks, schedulers,
   hyper-parameters), each optimizer's parameter groups (parameters listed by name; DCP would flatten them into
-  separate entries) and which optimizer entries are shaped like their parameter.
+  separate entries) and which optimizer entries are shaped like their parameter;
+- ``checksums.json``, written last by rank 0 (format 2 on; earlier checkpoints lack it and load unverified): the
+  size and CRC-32 of every other file (see :mod:`lightning_zero._checksums`).
 
-A save writes into a hidden sibling directory and renames it into place once every rank has finished, so a crash
-during a save never leaves a directory that looks complete: a complete checkpoint has both ``.metadata`` and
-``lightning_zero.pt``.
+A save writes into a new hidden sibling directory and publishes it once every rank has finished, so the checkpoint's
+path names one complete checkpoint, old or new, at every instant (see :mod:`lightning_zero._publish`). A load
+unpickles nothing but tensors, plain containers and DCP's own classes unless the user trusts the checkpoint (see
+:mod:`lightning_zero._unpickling`), and checks every file against the record first.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import shutil
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from lightning_zero import _publish as publish
+from lightning_zero._checkpoint_error import DAMAGE_HINT
+from lightning_zero._checkpoint_error import CheckpointError as CheckpointError  # where callers have found it
+from lightning_zero._checksums import CHECKSUM_FILE, ChecksummingWriter, FileSum, Record, share, sum_bytes, sum_file
+from lightning_zero._unpickling import (
+    RestrictedLoadPlanner,
+    Unpickling,
+    VerifiedReader,
+    load_torch_file,
+    read_dcp_metadata,
+)
+
+T = TypeVar("T")
+DCP_METADATA = ".metadata"
 META_FILE = "lightning_zero.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: with checksums.json
 MODEL = "model/"
 
 
@@ -46,7 +67,7 @@ def state_key(index: int, fqn: str, key: str) -> str:
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    return (path / META_FILE).is_file() and (path / DCP_METADATA).is_file()
 
 
 # --- building the flat state dict ------------------------------------------------------------------------------------
@@ -95,48 +116,168 @@ def indexed_optimizer_state(named: dict[str, Any]) -> tuple[dict[str, Any], dict
     return {"state": state, "param_groups": groups}, index
 
 
+# --- the ranks --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes that save or load one checkpoint together: every rank of the default process group (the one DCP
+    uses), or this process alone (consolidation; ``torch.distributed`` not initialized)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def of_default_group(cls) -> Ranks:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def all_gather(self, value: T) -> list[T]:
+        if self.size == 1:
+            return [value]
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def on_first(self, action: Callable[[], T], what: str) -> T:
+        """Rank 0 runs ``action``; every rank returns its result, or raises where it failed (rank 0 its own error,
+        the others a :class:`CheckpointError` quoting it)."""
+        result: Any = None
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                result = action()
+            except Exception as error:
+                failure = error
+        if self.size > 1:
+            shared = [result, None if failure is None else f"{type(failure).__name__}: {failure}"]
+            dist.broadcast_object_list(shared, src=0)
+            result, message = shared
+            if message is not None and failure is None:
+                raise CheckpointError(f"Rank 0 failed to {what}: {message}")
+        if failure is not None:
+            raise failure
+        return result
+
+    def agree(self, error: CheckpointError | None) -> None:
+        """Raise on every rank the first error any rank met, or return on every rank."""
+        messages = self.all_gather(None if error is None else str(error))
+        first = next((message for message in messages if message is not None), None)
+        if first is None:
+            return
+        if error is not None and str(error) == first:
+            raise error
+        raise CheckpointError(first)
+
+
 # --- saving ----------------------------------------------------------------------------------------------------------
 
 
-def save(flat: dict[str, Any], meta: dict[str, Any], path: Path, rank: int, barrier: Any) -> None:
-    """Write ``flat`` with every rank, then publish ``path`` atomically. ``barrier`` synchronises the ranks."""
-    staging = path.parent / f".{path.name}.partial"
-    trash = path.parent / f".{path.name}.old"
-    if rank == 0:
-        for leftover in (staging, trash):  # from a save that crashed
-            shutil.rmtree(leftover, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
-    dcp.save(flat, checkpoint_id=staging)
-    if rank == 0:
-        torch.save({"format": FORMAT_VERSION, **meta}, staging / META_FILE)
-        if path.is_dir():
-            path.rename(trash)
-        elif path.exists():
-            path.unlink()
-        staging.rename(path)
-        shutil.rmtree(trash, ignore_errors=True)
-    barrier()
+def save(flat: dict[str, Any], meta: dict[str, Any], path: Path, ranks: Ranks) -> None:
+    """Write ``flat`` with every rank into a new staging directory, then publish it at ``path`` (see
+    :mod:`lightning_zero._publish`): ``path`` names a complete checkpoint, the old one or the new, at every instant."""
+    staging = Path(ranks.on_first(lambda: str(_prepare(path)), f"prepare a staging directory for {path}"))
+    writer = ChecksummingWriter(staging)
+    dcp.save(flat, storage_writer=writer)
+    sums = ranks.all_gather(writer.sums)
+    ranks.on_first(lambda: _finish(staging, path, meta, sums), f"publish {path}")
+
+
+def _prepare(path: Path) -> Path:
+    publish.recover(path)
+    # Leftovers of crashed saves, reclaimed now where they are incomplete (the space of a half-written checkpoint),
+    # and every one if a checkpoint is at `path`; a complete leftover with none there waits for this publish.
+    has_checkpoint = publish.readable(path) is not None
+    publish.reclaim(path, keep=lambda leftover: not has_checkpoint and is_checkpoint_dir(leftover))
+    return publish.make_staging_directory(path)
+
+
+def _finish(staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str, FileSum]]) -> None:
+    """Rank 0, after every rank has written its files: our metadata, then the record of every file's checksum, then
+    the publish."""
+    files = {name: file_sum for rank_sums in sums for name, file_sum in rank_sums.items()}
+    files[DCP_METADATA] = sum_file(staging / DCP_METADATA)
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT_VERSION, **meta}, buffer)
+    publish.write_new_file(staging / META_FILE, lambda file: file.write(buffer.getbuffer()))
+    files[META_FILE] = sum_bytes(buffer.getbuffer())
+    record = Record(files).encode()
+    publish.write_new_file(staging / CHECKSUM_FILE, lambda file: file.write(record))
+    publish.fsync_directory(staging)
+    publish.publish_directory(staging, path)
+    publish.reclaim(path)
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be loaded as it is."""
+def readable_directory(path: Path) -> Path | None:
+    """The checkpoint directory a load of ``path`` reads (see :func:`lightning_zero._publish.readable`); ``None``
+    where ``path`` is no directory."""
+    directory = publish.readable(path)
+    if directory is not None and directory != path:
+        warnings.warn(
+            f"{path} does not exist: a save replacing it stopped between two renames, so the previous checkpoint,"
+            f" kept at {directory}, is loaded; the next save to {path} moves it back.",
+            stacklevel=2,
+        )
+    return directory
 
 
-def read_meta(path: Path) -> tuple[dict[str, Any], Metadata]:
-    """Our metadata file and DCP's, after checking every shard file is present and long enough."""
+def read_meta(
+    path: Path, ranks: Ranks = Ranks(), unpickling: Unpickling = Unpickling.TORCH_DEFAULT
+) -> tuple[dict[str, Any], Metadata]:
+    """Our metadata file and DCP's, after checking that every file of the checkpoint is present and, where the
+    checkpoint records checksums, unchanged since it was written. Every rank raises the same error, or none does."""
+    error = None
+    try:
+        meta, metadata, record = _read_small_files(path, ranks, unpickling)
+        _check_shard_lengths(path, metadata)
+        if record is not None:
+            shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
+            record.check_files(path, share(shards, ranks.rank, ranks.size))
+    except CheckpointError as caught:
+        error = caught
+    ranks.agree(error)
+    return meta, metadata
+
+
+def _read_small_files(
+    path: Path, ranks: Ranks, unpickling: Unpickling
+) -> tuple[dict[str, Any], Metadata, Record | None]:
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")
-    if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
+    for name, role in ((DCP_METADATA, "DCP's index of every entry"), (META_FILE, "the rest of Lightning's checkpoint")):
+        if not (path / name).is_file():
+            raise CheckpointError(
+                f"{path} is not a complete lightning_zero checkpoint: it lacks `{name}` ({role}). HINT: copy the"
+                " whole checkpoint directory; a checkpoint this release wrote is complete wherever its path exists."
+            )
+    record = Record.read(path)
+    contents = {name: (path / name).read_bytes() for name in (DCP_METADATA, META_FILE)}
+    if record is not None:
+        for name, data in contents.items():
+            record.check_bytes(path, name, data)
+    metadata = read_dcp_metadata(contents[DCP_METADATA], path / DCP_METADATA)
+    meta = load_torch_file(contents[META_FILE], f"file {path / META_FILE}", unpickling)
+    if not isinstance(meta, dict) or not {"checkpoint", "param_groups", "sharded"} <= meta.keys():
+        raise CheckpointError(f"Checkpoint file {path / META_FILE} is not lightning_zero's metadata. {DAMAGE_HINT}")
+    if record is None and meta.get("format", 1) >= 2:
         raise CheckpointError(
-            f"{path} is not a complete lightning_zero checkpoint: it lacks `{META_FILE}` or `.metadata`, which are"
-            " written last. HINT: it is probably from an interrupted save; resume from an earlier checkpoint."
+            f"Checkpoint file {path / CHECKSUM_FILE} is missing: the checkpoint was written with it. {DAMAGE_HINT}"
         )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    metadata = FileSystemReader(path).read_metadata()
+    if record is None and ranks.rank == 0:
+        warnings.warn(
+            f"Checkpoint {path} has no {CHECKSUM_FILE}: it was written before lightning_zero recorded checksums, so"
+            " its files load unverified.",
+            stacklevel=3,
+        )
+    return meta, metadata, record
+
+
+def _check_shard_lengths(path: Path, metadata: Metadata) -> None:
+    """Every shard file is present and long enough for the entries it holds."""
     needed: dict[str, tuple[int, str]] = {}
     for index, info in (metadata.storage_data or {}).items():
         end = info.offset + info.length
@@ -153,7 +294,6 @@ def read_meta(path: Path) -> tuple[dict[str, Any], Metadata]:
                 f"Checkpoint file {file} is truncated ({file.stat().st_size} bytes, {end} needed for `{fqn}`)."
                 " HINT: copy the whole directory again, or resume from an earlier checkpoint."
             )
-    return meta, metadata
 
 
 def check_compatible(target: dict[str, Any], metadata: Metadata, path: Path) -> None:
@@ -176,9 +316,19 @@ def check_compatible(target: dict[str, Any], metadata: Metadata, path: Path) -> 
             )
 
 
-def load(target: dict[str, Any], path: Path) -> None:
-    """Fill ``target`` (tensors and DTensors laid out for this run) in place from the checkpoint at ``path``."""
-    dcp.load(target, checkpoint_id=path)
+def load(
+    target: dict[str, Any], path: Path, metadata: Metadata, unpickling: Unpickling, *, no_dist: bool = False
+) -> None:
+    """Fill ``target`` (tensors and DTensors laid out for this run) in place from the checkpoint at ``path``, whose
+    ``metadata`` :func:`read_meta` returned; non-tensor entries load under ``unpickling``."""
+    reader, planner = VerifiedReader(path, metadata), RestrictedLoadPlanner(path, unpickling)
+    try:
+        dcp.load(target, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except CheckpointException as failure:  # DCP gathers every rank's errors; ours say all there is to say
+        for error, _ in failure.failures.values():
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from None
+        raise
 
 
 def model_state_keys(metadata: Metadata) -> Iterator[str]:

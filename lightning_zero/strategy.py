@@ -38,6 +38,7 @@ from lightning_zero._checkpoint import (
     load_full_optimizer_state,
     load_full_optimizer_state_into_dtensors,
     named_optimizer_state,
+    readable_directory,
     save_directory,
     sharded_model_state,
 )
@@ -521,7 +522,7 @@ class ZeroStrategy(DDPStrategy):
             )
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
-        save_directory(checkpoint, self.lightning_module, path, self.global_rank, self.barrier)
+        save_directory(checkpoint, self.lightning_module, path)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -536,13 +537,14 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
+        directory = readable_directory(path)
+        if directory is None:
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         self._at_rest()
-        return load_directory(path, self.lightning_module, self._engine, optimizers)
+        return load_directory(directory, self.lightning_module, self._engine, optimizers, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
