@@ -78,14 +78,17 @@ def load_directory(
     return the rest of the Lightning checkpoint. ``weights_only`` is the user's, as Lightning passes it on: what the
     pickled files may import (see :class:`~lightning_zero._unpickling.Unpickling`)."""
     unpickling = Unpickling.from_weights_only(weights_only)
-    meta, metadata = ckpt.read_meta(path, ckpt.Ranks.of_default_group(), unpickling)
-    model_target = {ckpt.MODEL + k: v for k, v in sharded_model_state(module, engine).items()}
-    targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
-    flat = dict(model_target)
-    for target in targets:
-        flat.update(target)
-    ckpt.check_compatible(flat, metadata, path)
-    ckpt.load(flat, path, metadata, unpickling)
+    meta, metadata, shard_check = ckpt.open_checkpoint(path, ckpt.Ranks.of_default_group(), unpickling)
+    # The shard files are checked while they load: nothing below runs before the verdict but filling the live
+    # tensors, which a damaged checkpoint leaves to be discarded with the error.
+    with shard_check.overlapping():
+        model_target = {ckpt.MODEL + k: v for k, v in sharded_model_state(module, engine).items()}
+        targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
+        flat = dict(model_target)
+        for target in targets:
+            flat.update(target)
+        ckpt.check_compatible(flat, metadata, path)
+        ckpt.load(flat, path, metadata, unpickling)
     if engine is not None:
         with torch.no_grad():
             engine.module_from_masters()  # and the rows other ranks own

@@ -2,10 +2,10 @@
 
 Neither DCP nor torch's zip reader checks what it reads: one flipped bit in a shard file (raw tensor bytes) or in a
 tensor of ``lightning_zero.pt`` (torch's reader ignores the CRC-32 the zip format stores) loads silently as other
-numbers. So each rank sums the files it wrote right after writing them, while they are still in the page cache
-(``zlib.crc32`` in large chunks releases the GIL); rank 0 gathers the sums, adds ``.metadata`` and
-``lightning_zero.pt``, and writes them last as ``checksums.json``, which carries a CRC-32 of its own entries so that
-damage to the record itself is told apart from damage to the files it describes.
+numbers. So each rank sums the files it wrote right after writing them, from the page cache and while the disk syncs
+them (:class:`ChecksummingWriter`); rank 0 gathers the sums, adds ``.metadata`` and ``lightning_zero.pt``, and writes
+them last as ``checksums.json``, which carries a CRC-32 of its own entries so that damage to the record itself is told
+apart from damage to the files it describes.
 
 A load checks the small files where every rank reads them (the bytes checked are the bytes parsed) and spreads the
 shard files over the ranks, each read once (:func:`share`).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
 from lightning_zero._checkpoint_error import DAMAGE_HINT, CheckpointError
+from lightning_zero._publish import fsync_file
 
 CHECKSUM_FILE = "checksums.json"
 ALGORITHM = "zlib.crc32"
@@ -143,14 +145,22 @@ def share(files: dict[str, FileSum], rank: int, world_size: int) -> list[str]:
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer that sums the files this rank wrote as soon as they are written: ``sums``, by name."""
+    """DCP's file writer that sums each file this rank wrote (``sums``, by name) while the disk syncs it: DCP's own
+    sync is off and done here, a thread per file, so summing from the page cache and waiting for the disk overlap
+    instead of adding up (``os.fsync`` and ``zlib.crc32`` both release the GIL). ``.metadata``, which DCP writes
+    after this, is synced by the caller."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path)
+        super().__init__(path, sync_files=False)
         self.sums: dict[str, FileSum] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
         future = super().write_data(plan, planner)
         written = sorted({result.storage_data.relative_path for result in future.wait()})
-        self.sums = {name: sum_file(Path(self.path) / name) for name in written}
+        files = {name: Path(self.path) / name for name in written}
+        with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
+            synced = [pool.submit(fsync_file, file) for file in files.values()]
+            self.sums = {name: sum_file(file) for name, file in files.items()}
+            for sync in synced:
+                sync.result()
         return future

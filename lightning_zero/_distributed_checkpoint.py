@@ -26,6 +26,8 @@ import io
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -197,6 +199,7 @@ def _finish(staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str
     """Rank 0, after every rank has written its files: our metadata, then the record of every file's checksum, then
     the publish."""
     files = {name: file_sum for rank_sums in sums for name, file_sum in rank_sums.items()}
+    publish.fsync_file(staging / DCP_METADATA)  # DCP wrote it unsynced (see ChecksummingWriter)
     files[DCP_METADATA] = sum_file(staging / DCP_METADATA)
     buffer = io.BytesIO()
     torch.save({"format": FORMAT_VERSION, **meta}, buffer)
@@ -206,7 +209,10 @@ def _finish(staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str
     publish.write_new_file(staging / CHECKSUM_FILE, lambda file: file.write(record))
     publish.fsync_directory(staging)
     publish.publish_directory(staging, path)
-    publish.reclaim(path)
+    try:
+        publish.reclaim(path)
+    except OSError as error:  # the checkpoint is published; what is left behind only takes space
+        warnings.warn(f"Saved {path}, but could not remove what earlier saves left beside it: {error}", stacklevel=2)
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -225,21 +231,75 @@ def readable_directory(path: Path) -> Path | None:
     return directory
 
 
+class ShardCheck:
+    """This rank's share of the shard files (see :func:`lightning_zero._checksums.share`), checked against their
+    checksums in a thread while the caller goes on, and the verdict every rank agrees on in :meth:`wait`."""
+
+    def __init__(self, path: Path, record: Record | None, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self._pending: Future[None] | None = None
+        if record is not None:
+            shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
+            mine = share(shards, ranks.rank, ranks.size)
+            self._pending = _CHECKER.submit(_checked, lambda: record.check_files(path, mine), path)
+
+    def wait(self) -> None:
+        """Return on every rank once every shard file is as written, or raise on every rank the first damage any
+        rank found (collective)."""
+        self.ranks.agree(None if self._pending is None else self._pending.result())
+
+    @contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Run the block while the check goes on; if the block fails, a damaged file is the better explanation."""
+        try:
+            yield
+        except BaseException:
+            self.wait()
+            raise
+        self.wait()
+
+
+_CHECKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
+
+
+def _checked(action: Callable[[], None], path: Path) -> CheckpointError | None:
+    """The error ``action`` met reading the checkpoint at ``path``, as the one every rank will raise."""
+    try:
+        action()
+    except CheckpointError as error:
+        return error
+    except OSError as error:  # unreadable here (permissions, a vanished file): every rank must still hear of it
+        failure = CheckpointError(
+            f"Checkpoint {path} cannot be read: {error}. HINT: check that every rank can read the whole directory."
+        )
+        failure.__cause__ = error
+        return failure
+    return None
+
+
+def open_checkpoint(
+    path: Path, ranks: Ranks = Ranks(), unpickling: Unpickling = Unpickling.TORCH_DEFAULT
+) -> tuple[dict[str, Any], Metadata, ShardCheck]:
+    """Our metadata file and DCP's, once the small files are checked, every shard file is present and long enough,
+    and every rank agrees (collective); the shard files' checksums are then being checked (the third value)."""
+    found: list[Any] = []
+
+    def read() -> None:
+        found.extend(_read_small_files(path, ranks, unpickling))
+        _check_shard_lengths(path, found[1])
+
+    ranks.agree(_checked(read, path))
+    meta, metadata, record = found
+    return meta, metadata, ShardCheck(path, record, ranks)
+
+
 def read_meta(
     path: Path, ranks: Ranks = Ranks(), unpickling: Unpickling = Unpickling.TORCH_DEFAULT
 ) -> tuple[dict[str, Any], Metadata]:
     """Our metadata file and DCP's, after checking that every file of the checkpoint is present and, where the
     checkpoint records checksums, unchanged since it was written. Every rank raises the same error, or none does."""
-    error = None
-    try:
-        meta, metadata, record = _read_small_files(path, ranks, unpickling)
-        _check_shard_lengths(path, metadata)
-        if record is not None:
-            shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
-            record.check_files(path, share(shards, ranks.rank, ranks.size))
-    except CheckpointError as caught:
-        error = caught
-    ranks.agree(error)
+    meta, metadata, check = open_checkpoint(path, ranks, unpickling)
+    check.wait()
     return meta, metadata
 
 

@@ -101,6 +101,15 @@ def remove(path: Path) -> None:
         os.unlink(path)
 
 
+def fsync_file(path: Path) -> None:
+    """Wait until the content of the file ``path`` is on disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_directory(path: Path) -> None:
     """Make the renames and creations inside ``path`` durable; a filesystem that cannot sync a directory skips it."""
     try:
