@@ -10,9 +10,9 @@ With no ``RANK`` in the environment the script starts ``--world-size`` copies of
 the largest of every child so far (which ``RUSAGE_CHILDREN`` would give). A process that only imports
 ``lightning_zero`` is measured too: its peak RSS and seconds are the floor every consolidation stands on.
 
-The checksums' cost: each worker then saves again and loads the checkpoint back, alternately with the checksum
-functions and with no-ops in their place, three rounds, and times the checksum work alone on the files just written;
-the table gives each rank's medians.
+The checksums' cost: each worker then saves again and loads the checkpoint back (its files evicted from the page cache
+first, as a resume in a new job finds them), alternately with the checksum functions and with no-ops in their place,
+five rounds, and times the checksum work alone on the files just written; the table gives each rank's medians.
 
 Everything is written under a temporary directory in /tmp, removed at the end.
 """
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 from unittest.mock import patch
@@ -49,7 +50,7 @@ from lightning_zero._checksums import Record, share, sum_file
 from lightning_zero._distributed_checkpoint import DCP_METADATA, META_FILE, read_meta
 
 GIB = 2**30
-ROUNDS = 3  # of the saves and loads that time the checksums
+ROUNDS = 5  # of the saves and loads that time the checksums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,7 +154,22 @@ def checksum_seconds(checkpoint: Path, rank: int, world_size: int) -> tuple[floa
     return saving, time.perf_counter() - start
 
 
-def timed(action: Callable[[], object]) -> float:
+def evict(checkpoint: Path) -> None:
+    """Drop the checkpoint's files from the page cache (they are synced, so clean), as a resume in a new job finds
+    them."""
+    for file in checkpoint.iterdir():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(action: Callable[[], object], cold: Path | None = None) -> float:
+    """Seconds of ``action`` on every rank, from a common start to a common end; ``cold``: a checkpoint evicted from
+    the page cache first."""
+    if cold is not None and dist.get_rank() == 0:
+        evict(cold)
     dist.barrier()  # every rank starts together, so each clock times the slowest rank too
     start = time.perf_counter()
     action()
@@ -184,16 +200,17 @@ def worker(args: argparse.Namespace) -> None:
         print(f"rank 0: trainer.save_checkpoint took {seconds:.2f} s", flush=True)
     # without the reset, VmHWM would be the whole run's peak, training included; then it is left out
     result = {"seconds": seconds, "rss_before": before, "peak_rss": status_bytes("VmHWM") if reset else None}
-    # Saves (to another path) and loads (back into the live shards) with and without checksums, alternating so that
-    # neither is always the first after a change of what the page cache holds; medians of ROUNDS.
+    # Saves (to another path) and loads (back into the live shards, from a cold page cache) with and without
+    # checksums, alternating so that neither always follows the other; medians of ROUNDS.
     timings: dict[str, list[float]] = {key: [] for key in ("save", "save_unchecked", "load", "load_unchecked")}
     again = args.workdir / "again"
     for _ in range(ROUNDS):
         for unchecked in (False, True):
             suffix = "_unchecked" if unchecked else ""
             with without_checksums() if unchecked else nullcontext():
-                timings["save" + suffix].append(timed(lambda: trainer.save_checkpoint(again)))
-                timings["load" + suffix].append(timed(lambda: trainer.strategy.load_checkpoint(checkpoint)))
+                timings["save" + suffix].append(timed(partial(trainer.save_checkpoint, again)))
+                load = partial(trainer.strategy.load_checkpoint, checkpoint)
+                timings["load" + suffix].append(timed(load, cold=checkpoint))
     if rank == 0:
         shutil.rmtree(again)
     result.update({f"{key}_seconds": statistics.median(values) for key, values in timings.items()})
@@ -314,7 +331,8 @@ def checksum_lines(results: list[dict[str, float | None]]) -> list[str]:
     """What the checksums add to each rank's save and load: medians of the same save or load with and without the
     checksum functions (replaced by no-ops), and the checksum work timed alone."""
     lines = [
-        f"Checksum cost (medians of {ROUNDS} alternating rounds; `alone`: the same functions run by themselves):",
+        f"Checksum cost (medians of {ROUNDS} alternating rounds; loads from a cold page cache; `alone`: the same"
+        " functions run by themselves on files in the page cache):",
         "",
         "| rank | save s | save, no sums s | sums alone s | added to save | load s | load, no checks s | checks"
         " alone s | added to load |",

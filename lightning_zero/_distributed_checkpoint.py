@@ -233,11 +233,16 @@ def readable_directory(path: Path) -> Path | None:
 
 class ShardCheck:
     """This rank's share of the shard files (see :func:`lightning_zero._checksums.share`), checked against their
-    checksums in a thread while the caller goes on, and the verdict every rank agrees on in :meth:`wait`."""
+    checksums in a thread while the caller goes on, and the verdict every rank agrees on in :meth:`wait`.
+
+    A resume loads while the check runs: from files not in the page cache, as a new job finds them, the check then
+    costs nothing measurable (2 ranks on the 2-core development machine, a 1.69 GiB shard file each: 6.3 s, against
+    7.0 s unchecked and 9.0 s checking before loading: the check would read the files from disk before the load
+    could start)."""
 
     def __init__(self, path: Path, record: Record | None, ranks: Ranks) -> None:
         self.ranks = ranks
-        self._pending: Future[None] | None = None
+        self._pending: Future[CheckpointError | None] | None = None
         if record is not None:
             shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
             mine = share(shards, ranks.rank, ranks.size)
