@@ -246,7 +246,10 @@ class ShardCheck:
         if record is not None:
             shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
             mine = share(shards, ranks.rank, ranks.size)
-            self._pending = _CHECKER.submit(_checked, lambda: record.check_files(path, mine), path)
+            # a thread of its own, which ends with the check: a pool kept for later would not survive a fork
+            checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
+            self._pending = checker.submit(_checked, lambda: record.check_files(path, mine), path)
+            checker.shutdown(wait=False)
 
     def wait(self) -> None:
         """Return on every rank once every shard file is as written, or raise on every rank the first damage any
@@ -258,13 +261,10 @@ class ShardCheck:
         """Run the block while the check goes on; if the block fails, a damaged file is the better explanation."""
         try:
             yield
-        except BaseException:
+        except (Exception, CheckpointException):  # DCP's is a BaseException; an interrupt waits for nothing
             self.wait()
             raise
         self.wait()
-
-
-_CHECKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
 
 
 def _checked(action: Callable[[], None], path: Path) -> CheckpointError | None:

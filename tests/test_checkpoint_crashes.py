@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,18 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def resumed(killed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Consolidated right after the kill, then resumed by a new process that trains on and saves over it."""
-    after_kill = {}
+    after_kill, warned = {}, {}
     for swap, step in CASES:
-        output = consolidate_checkpoint(case_target(killed, swap, step), killed / "at-kill.ckpt")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output = consolidate_checkpoint(case_target(killed, swap, step), killed / "at-kill.ckpt")
+        warned[swap, step] = [str(w.message) for w in caught if "stopped between two renames" in str(w.message)]
         after_kill[swap, step] = torch.load(output)
         output.unlink()
     report = tmp_path_factory.mktemp("resumed")
     targets = [str(case_target(killed, swap, step)) for swap, step in CASES]
     launch(WORKER, ["resume_and_save", str(report), json.dumps(targets)], world_size=1)
-    return {"after_kill": after_kill, "steps": json.loads((report / "resumed.json").read_text())}
+    return {"after_kill": after_kill, "warned": warned, "steps": json.loads((report / "resumed.json").read_text())}
 
 
 @pytest.mark.parametrize(("swap", "step"), CASES)
@@ -64,6 +68,8 @@ def test_a_killed_publish_leaves_one_complete_checkpoint(
         assert torch.equal(checkpoint["state_dict"][key], value), key
     other = torch.load(killed / ("new.pt" if expected == "old" else "old.pt"))
     assert not torch.equal(other["mid.weight"], truth["mid.weight"])  # the two could be told apart
+    # only between the two renames is nothing at the path: the kept copy is loaded, and the loader says so
+    assert len(resumed["warned"][swap, step]) == (step == "between_renames")
 
 
 @pytest.mark.parametrize(("swap", "step"), CASES)
