@@ -10,6 +10,8 @@ damage, not forgery): :func:`reseal` does, so the payload tests reach the unpick
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pickle
 import re
@@ -94,12 +96,17 @@ def fit(checkpoint: Path, **kwargs: Any) -> pl.Trainer:
 
 
 def consolidate_cli(checkpoint: Path, output: Path, *flags: str) -> None:
-    if command_line(["consolidate", str(checkpoint), str(output), *flags]) != 0:
-        raise CheckpointError("the command line failed")
+    """``python -m lightning_zero consolidate``, in this process; what it printed, raised as the error it reports."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        code = command_line(["consolidate", str(checkpoint), str(output), *flags])
+    if code != 0:
+        raise CheckpointError(printed.getvalue())
 
 
 ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
     "consolidate": lambda checkpoint, tmp: consolidate_checkpoint(checkpoint, tmp / "out.ckpt"),
+    "command line": lambda checkpoint, tmp: consolidate_cli(checkpoint, tmp / "out.ckpt"),
     "fit": lambda checkpoint, tmp: fit(checkpoint),
 }
 
