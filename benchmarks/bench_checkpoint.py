@@ -10,6 +10,10 @@ With no ``RANK`` in the environment the script starts ``--world-size`` copies of
 the largest of every child so far (which ``RUSAGE_CHILDREN`` would give). A process that only imports
 ``lightning_zero`` is measured too: its peak RSS and seconds are the floor every consolidation stands on.
 
+The checksums' cost: each worker then saves again and loads the checkpoint back (its files evicted from the page cache
+first, as a resume in a new job finds them), alternately with the checksum functions and with no-ops in their place,
+five rounds, and times the checksum work alone on the files just written; the table gives each rank's medians.
+
 Everything is written under a temporary directory in /tmp, removed at the end.
 """
 
@@ -18,27 +22,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
+from unittest.mock import patch
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from _processes import free_port, wait_all
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  registers the strategy name "zero2"
+from lightning_zero._checkpoint import checksums as _checksums
+from lightning_zero._checkpoint.checksums import Record, share, sum_file
+from lightning_zero._checkpoint.directory import DCP_METADATA, META_FILE, read_meta
 
 GIB = 2**30
+ROUNDS = 5  # of the saves and loads that time the checksums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,20 +135,87 @@ def status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+def checksum_seconds(checkpoint: Path, rank: int, world_size: int) -> tuple[float, float]:
+    """Seconds of the checksum work alone, with the functions a save and a load call, on the files just written:
+    summing the files this rank wrote (its shard file; for rank 0 ``.metadata`` and ``lightning_zero.pt`` too), and
+    checking its share of the shard files."""
+    record = Record.read(checkpoint)
+    assert record is not None
+    written = [name for name in record.files if name.startswith(f"__{rank}_")]
+    if rank == 0:
+        written += [DCP_METADATA, META_FILE]
+    start = time.perf_counter()
+    for name in written:
+        sum_file(checkpoint / name)
+    saving = time.perf_counter() - start
+    shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
+    start = time.perf_counter()
+    record.check_files(checkpoint, share(shards, rank, world_size))
+    return saving, time.perf_counter() - start
+
+
+def evict(checkpoint: Path) -> None:
+    """Drop the checkpoint's files from the page cache (they are synced, so clean), as a resume in a new job finds
+    them."""
+    for file in checkpoint.iterdir():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(action: Callable[[], object], cold: Path | None = None) -> float:
+    """Seconds of ``action`` on every rank, from a common start to a common end; ``cold``: a checkpoint evicted from
+    the page cache first."""
+    if cold is not None and dist.get_rank() == 0:
+        evict(cold)
+    dist.barrier()  # every rank starts together, so each clock times the slowest rank too
+    start = time.perf_counter()
+    action()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def without_checksums() -> ExitStack:
+    """Saves that sum nothing and loads that check nothing, to time what the checksums add."""
+    stack = ExitStack()
+    stack.enter_context(patch.object(_checksums, "sum_file", lambda path: _checksums.FileSum(0, 0)))
+    stack.enter_context(patch.object(_checksums.Record, "check_files", lambda self, path, names: None))
+    return stack
+
+
 def worker(args: argparse.Namespace) -> None:
     args.world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
     rank = int(os.environ["RANK"])
     trainer = train_one_step(args)
+    checkpoint = args.workdir / "checkpoint"
     dist.barrier()  # every rank starts the save together, so rank 0's clock times the slowest writer too
     reset = reset_peak_rss()
     before = status_bytes("VmRSS") if reset else None
     start = time.perf_counter()
-    trainer.save_checkpoint(args.workdir / "checkpoint")  # ends with a barrier
+    trainer.save_checkpoint(checkpoint)  # ends with a collective
     seconds = time.perf_counter() - start
     if rank == 0:
         print(f"rank 0: trainer.save_checkpoint took {seconds:.2f} s", flush=True)
     # without the reset, VmHWM would be the whole run's peak, training included; then it is left out
     result = {"seconds": seconds, "rss_before": before, "peak_rss": status_bytes("VmHWM") if reset else None}
+    # Saves (to another path) and loads (back into the live shards, from a cold page cache) with and without
+    # checksums, alternating so that neither always follows the other; medians of ROUNDS.
+    timings: dict[str, list[float]] = {key: [] for key in ("save", "save_unchecked", "load", "load_unchecked")}
+    again = args.workdir / "again"
+    for _ in range(ROUNDS):
+        for unchecked in (False, True):
+            suffix = "_unchecked" if unchecked else ""
+            with without_checksums() if unchecked else nullcontext():
+                timings["save" + suffix].append(timed(partial(trainer.save_checkpoint, again)))
+                load = partial(trainer.strategy.load_checkpoint, checkpoint)
+                timings["load" + suffix].append(timed(load, cold=checkpoint))
+    if rank == 0:
+        shutil.rmtree(again)
+    result.update({f"{key}_seconds": statistics.median(values) for key, values in timings.items()})
+    dist.barrier()
+    result["sum_seconds"], result["check_seconds"] = checksum_seconds(checkpoint, rank, args.world_size)
     (args.workdir / f"save_rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # every rank done before gloo is torn down
     dist.destroy_process_group()
@@ -204,7 +283,7 @@ def directory_bytes(path: Path) -> int:
 
 
 def largest_tensor_bytes(checkpoint: Path) -> int:
-    entries = FileSystemReader(checkpoint).read_metadata().state_dict_metadata.values()
+    entries = read_meta(checkpoint)[1].state_dict_metadata.values()
     return max(e.size.numel() * e.properties.dtype.itemsize for e in entries if isinstance(e, TensorStorageMetadata))
 
 
@@ -245,6 +324,27 @@ def save_lines(results: list[dict[str, float | None]]) -> list[str]:
         before, peak = result["rss_before"], result["peak_rss"]
         grown = "-" if before is None or peak is None else gib(int(peak - before))
         lines.append(f"- rank {rank}: RSS before save {gib(before)} GiB, peak during save +{grown} GiB")
+    return lines
+
+
+def checksum_lines(results: list[dict[str, float | None]]) -> list[str]:
+    """What the checksums add to each rank's save and load: medians of the same save or load with and without the
+    checksum functions (replaced by no-ops), and the checksum work timed alone."""
+    lines = [
+        f"Checksum cost (medians of {ROUNDS} alternating rounds; loads from a cold page cache; `alone`: the same"
+        " functions run by themselves on files in the page cache):",
+        "",
+        "| rank | save s | save, no sums s | sums alone s | added to save | load s | load, no checks s | checks"
+        " alone s | added to load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, r in enumerate(results):
+        save, bare_save, sums = (float(r[k]) for k in ("save_seconds", "save_unchecked_seconds", "sum_seconds"))
+        load, bare_load, checks = (float(r[k]) for k in ("load_seconds", "load_unchecked_seconds", "check_seconds"))
+        lines.append(
+            f"| {rank} | {save:.2f} | {bare_save:.2f} | {sums:.2f} | {(save - bare_save) / bare_save:+.1%} | {load:.2f}"
+            f" | {bare_load:.2f} | {checks:.2f} | {(load - bare_load) / bare_load:+.1%} |"
+        )
     return lines
 
 
@@ -291,6 +391,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[str]:
         *over_baseline([full, weights], baseline, checkpoint),
         "",
         *save_lines(results),
+        "",
+        *checksum_lines(results),
         "",
         *file_sizes(checkpoint),
     ]

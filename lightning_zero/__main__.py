@@ -1,7 +1,9 @@
 """Command line.
 
-``python -m lightning_zero consolidate CHECKPOINT_DIR OUTPUT_FILE [--weights-only]`` writes a sharded checkpoint
-directory as one ordinary file.
+``python -m lightning_zero consolidate CHECKPOINT_DIR OUTPUT_FILE [--weights-only] [--trust-pickle]`` writes a
+sharded checkpoint directory as one ordinary file. ``--trust-pickle`` lets a checkpoint you trust import and run what
+its pickled files name (custom classes among its hyper-parameters, say); without it only tensors, plain containers and
+DCP's own classes load.
 
 ``python -m lightning_zero estimate (--params 7.5e9 | --module CLASS_PATH [--ARG VALUE ...]) --ranks 64 [--nodes 8]
 [--precision bf16-true --master-weights] [--offload] [--optimizer adam]`` prints the model-state bytes per rank and
@@ -30,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     consolidate.add_argument("checkpoint_dir")
     consolidate.add_argument("output_file")
     consolidate.add_argument("--weights-only", action="store_true", help="leave out optimizer state")
+    consolidate.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="let the checkpoint's pickled files import and run what they name: only for a checkpoint you trust",
+    )
     _add_estimate_parser(commands)
     args, extra = parser.parse_known_args(argv)
     if args.command == "estimate":
@@ -37,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        output = consolidate_checkpoint(args.checkpoint_dir, args.output_file, weights_only=args.weights_only)
+        output = consolidate_checkpoint(
+            args.checkpoint_dir, args.output_file, weights_only=args.weights_only, trust_pickle=args.trust_pickle
+        )
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,45 +10,58 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_zero._checkpoint import directory as ckpt
-from lightning_zero._checkpoint.live import SHARDED_KEYS
+from lightning_zero._checkpoint import keys, publish
+from lightning_zero._checkpoint.unpickling import Unpickling
 
 
 def consolidate_checkpoint(
-    checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike, *, weights_only: bool = False
+    checkpoint_dir: str | os.PathLike,
+    output_file: str | os.PathLike,
+    *,
+    weights_only: bool = False,
+    trust_pickle: bool = False,
 ) -> Path:
     """Write the checkpoint at ``checkpoint_dir`` as one Lightning checkpoint file with full fp32-or-native weights.
 
     The result loads with ``MyModule.load_from_checkpoint(output_file)`` and resumes with a plain ``Trainer`` (or any
     ZeRO stage). ``weights_only=True`` leaves out optimizer state, for inference or fine-tuning.
+
+    Every file is checked against the checksums recorded when it was written, and nothing is unpickled but tensors,
+    plain containers and DCP's own classes: a checkpoint holding other objects (a custom class among the
+    hyper-parameters, say) raises :class:`CheckpointError` naming them. ``trust_pickle=True`` lets such a checkpoint
+    import and run what its pickles name, as ``torch.load(weights_only=False)`` does: only for checkpoints you trust.
+    The output file is written beside ``output_file`` under a new random name and renamed into place.
     """
-    path = Path(checkpoint_dir)
-    meta, metadata = ckpt.read_meta(path)
+    path = ckpt.readable_directory(Path(checkpoint_dir)) or Path(checkpoint_dir)
+    unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
+    meta, metadata = ckpt.read_meta(path, unpickling=unpickling)
+    read = partial(_read, path, metadata, unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
-    checkpoint["state_dict"] = {fqn: _read(path, ckpt.MODEL + fqn, metadata) for fqn in ckpt.model_state_keys(metadata)}
+    entries = metadata.state_dict_metadata
+    checkpoint["state_dict"] = {fqn: read(keys.model_key(fqn)) for fqn in keys.model_entries(entries)}
     if not weights_only:
         checkpoint["optimizer_states"] = [
-            _optimizer_state(path, index, groups, meta["sharded"].get(index, {}), metadata)
+            _optimizer_state(read, index, groups, meta["sharded"].get(index, {}), metadata)
             for index, groups in sorted(meta["param_groups"].items())
         ]
     else:
         for key in ("optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
     output = Path(output_file)
-    staging = output.with_name(f".{output.name}.partial")
-    torch.save(checkpoint, staging)
-    staging.replace(output)  # never a half-written output file
+    publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
     return output
 
 
-def _read(path: Path, key: str, metadata: Any) -> Any:
+def _read(path: Path, metadata: Metadata, unpickling: Unpickling, key: str) -> Any:
     entry = metadata.state_dict_metadata[key]
     if isinstance(entry, TensorStorageMetadata):
         value: Any = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
@@ -57,19 +70,16 @@ def _read(path: Path, key: str, metadata: Any) -> Any:
     holder = {key: value}
     with warnings.catch_warnings():  # DCP says it assumes one process; that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(holder, checkpoint_id=path, no_dist=True)
+        ckpt.load(holder, path, metadata, unpickling, no_dist=True)
     return holder[key]
 
 
 def _optimizer_state(
-    path: Path, index: int, groups: list[dict[str, Any]], sharded: dict[str, list[str]], metadata: Any
+    read: Callable[[str], Any], index: int, groups: list[dict[str, Any]], sharded: dict[str, list[str]], metadata: Any
 ) -> dict[str, Any]:
-    prefix = ckpt.optim_prefix(index) + "state/"
     named: dict[str, dict[str, Any]] = {}
-    for key in metadata.state_dict_metadata:
-        if key.startswith(prefix):
-            fqn, name = key[len(prefix) :].rsplit("/", 1)
-            named.setdefault(fqn, {})[name] = _read(path, key, metadata)
-    state_dict, position = ckpt.indexed_optimizer_state({"state": named, "param_groups": groups})
-    state_dict[SHARDED_KEYS] = {position[fqn]: keys for fqn, keys in sharded.items()}
+    for key, fqn, name in keys.optimizer_entries(metadata.state_dict_metadata, index):
+        named.setdefault(fqn, {})[name] = read(key)
+    state_dict, position = keys.indexed_optimizer_state({"state": named, "param_groups": groups})
+    state_dict[keys.SHARDED_KEYS] = {position[fqn]: entries for fqn, entries in sharded.items()}
     return state_dict

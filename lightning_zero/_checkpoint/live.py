@@ -2,7 +2,7 @@
 
 Saving never gathers: the model state holds each sharded parameter as the DTensor over this rank's rows, and the
 optimizer state keeps its DTensor shards; both are named by parameter, so a checkpoint taken at one world size and
-stage loads at another (see :mod:`lightning_zero._checkpoint.directory`). Ordinary single-file Lightning
+stage loads at another (see :mod:`.directory`). Ordinary single-file Lightning
 checkpoints (from ``"ddp"``, or consolidated) load too: each rank keeps its shard of every whole tensor.
 """
 
@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_zero._checkpoint import directory as ckpt
+from lightning_zero._checkpoint import keys
+from lightning_zero._checkpoint.directory import readable_directory as readable_directory  # for the front ends
+from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._engine.engine import ZeroEngine
 from lightning_zero._engine.optimizer import ZeroOptimizer
-
-# In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
-SHARDED_KEYS = "lightning_zero_sharded_keys"
 
 
 def sharded_model_state(module: nn.Module, engine: ZeroEngine | None) -> dict[str, Any]:
@@ -52,35 +52,41 @@ def _module_param_names(optimizer: Optimizer, names: dict[int, str]) -> list[str
 
 def named_optimizer_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
     """The optimizer's state dict, parameters named rather than numbered, shards left as DTensors."""
-    names = _module_param_names(optimizer, ckpt.module_names(module))
-    return ckpt.named_optimizer_state(optimizer.state_dict(), names)
+    names = _module_param_names(optimizer, keys.module_names(module))
+    return keys.named_optimizer_state(optimizer.state_dict(), names)
 
 
-def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path, rank: int, barrier: Any) -> None:
-    """Write Lightning's ``checkpoint`` (model and optimizer states as made by this module) as a directory."""
+def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path) -> None:
+    """Write Lightning's ``checkpoint`` (model and optimizer states as made by this module) as a directory, with every
+    rank of the default process group."""
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     shapes = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
     model_state, optimizer_states = checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
-    flat, optimizer_meta = ckpt.flatten(model_state, optimizer_states, shapes)
-    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, rank, barrier)
+    flat, optimizer_meta = keys.flatten(model_state, optimizer_states, shapes)
+    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, ckpt.Ranks.of_default_group())
 
 
 # --- loading a checkpoint directory ----------------------------------------------------------------------------------
 
 
 def load_directory(
-    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer]
+    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer], weights_only: bool | None
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
-    return the rest of the Lightning checkpoint."""
-    meta, metadata = ckpt.read_meta(path)
-    model_target = {ckpt.MODEL + k: v for k, v in sharded_model_state(module, engine).items()}
-    targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
-    flat = dict(model_target)
-    for target in targets:
-        flat.update(target)
-    ckpt.check_compatible(flat, metadata, path)
-    ckpt.load(flat, path)
+    return the rest of the Lightning checkpoint. ``weights_only`` is the user's, as Lightning passes it on: what the
+    pickled files may import (see :class:`~.unpickling.Unpickling`)."""
+    unpickling = Unpickling.from_weights_only(weights_only)
+    meta, metadata, shard_check = ckpt.open_checkpoint(path, ckpt.Ranks.of_default_group(), unpickling)
+    # The shard files are checked while they load: nothing below runs before the verdict but filling the live
+    # tensors, which a damaged checkpoint leaves to be discarded with the error.
+    with shard_check.overlapping():
+        model_target = {keys.model_key(k): v for k, v in sharded_model_state(module, engine).items()}
+        targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
+        flat = dict(model_target)
+        for target in targets:
+            flat.update(target)
+        ckpt.check_compatible(flat, metadata, path)
+        ckpt.load(flat, path, metadata, unpickling)
     if engine is not None:
         with torch.no_grad():
             engine.module_from_masters()  # and the rows other ranks own
@@ -94,10 +100,9 @@ def load_directory(
 def _optimizer_target(
     index: int, optimizer: Optimizer, module: nn.Module, metadata: Metadata, meta: dict[str, Any], path: Path
 ) -> dict[str, Any]:
-    names = _module_param_names(optimizer, ckpt.module_names(module))
+    names = _module_param_names(optimizer, keys.module_names(module))
     tensors = _optimizer_tensors(optimizer)
     sharded = meta["sharded"].get(index, {})
-    prefix = ckpt.optim_prefix(index)
     if index not in meta["param_groups"]:
         raise ckpt.CheckpointError(
             f"Checkpoint {path} holds no state for optimizer {index}. HINT: it was saved with fewer optimizers, or"
@@ -105,10 +110,8 @@ def _optimizer_target(
         )
     target: dict[str, Any] = {}
     by_name = dict(zip(names, tensors, strict=True))
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(prefix + "state/"):
-            continue
-        fqn, name = key[len(prefix + "state/") :].rsplit("/", 1)
+    for key, fqn, name in keys.optimizer_entries(metadata.state_dict_metadata, index):
+        entry = metadata.state_dict_metadata[key]
         if fqn not in by_name:
             raise ckpt.CheckpointError(
                 f"Checkpoint {path} holds optimizer state for `{fqn}`, which optimizer {index} does not update."
@@ -126,7 +129,7 @@ def _optimizer_target(
 def _indexed_state(
     index: int, optimizer: Optimizer, module: nn.Module, target: dict[str, Any], groups: list[dict], path: Path
 ) -> dict[str, Any]:
-    module_names = ckpt.module_names(module)
+    module_names = keys.module_names(module)
     position = {name: i for i, name in enumerate(_module_param_names(optimizer, module_names))}
     configured = [[module_names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     if [g["params"] for g in groups] != configured:
@@ -134,43 +137,31 @@ def _indexed_state(
             f"Checkpoint {path}: the parameter groups of optimizer {index} differ from the ones configured now."
             " HINT: load it with the `configure_optimizers` it was trained with."
         )
-    prefix = ckpt.optim_prefix(index) + "state/"
     state: dict[int, dict[str, Any]] = {}
-    for key, value in target.items():
-        if key.startswith(prefix):
-            fqn, name = key[len(prefix) :].rsplit("/", 1)
-            state.setdefault(position[fqn], {})[name] = value
+    for key, fqn, name in keys.optimizer_entries(target, index):
+        state.setdefault(position[fqn], {})[name] = target[key]
     return {"state": state, "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in groups]}
 
 
 # --- loading a single-file checkpoint --------------------------------------------------------------------------------
 
 
-def _was_sharded(key: str, value: object, shape: torch.Size) -> bool:
-    """For checkpoints written without a record: a tensor shaped like its parameter is sharded with it."""
-    return isinstance(value, torch.Tensor) and value.shape == shape and key != "step"
-
-
 def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a ``state_dict`` of whole tensors, keeping of each parameter-shaped tensor only my shard."""
     params = _optimizer_tensors(optimizer)
     by_shard = {id(s.shard): s for s in optimizer.sharded}
-    recorded: dict[int, list[str]] | None = state_dict.get(SHARDED_KEYS)
+    recorded: dict[int, list[str]] | None = state_dict.get(keys.SHARDED_KEYS)
     state = {}
     for index, param_state in state_dict["state"].items():
         sharded = by_shard.get(id(params[index]))
         converted = dict(param_state)
         if sharded is not None:
             for key, value in param_state.items():
-                if recorded is not None:
-                    is_sharded = key in recorded.get(index, ())
-                else:
-                    is_sharded = _was_sharded(key, value, sharded.spec.shape)
-                if is_sharded:
+                if keys.sharded_with_parameter(recorded, index, key, value, sharded.spec.shape):
                     local = sharded.spec.take(value, sharded.rank).to(sharded.master.device).clone()
                     converted[key] = sharded.wrap(local)
         state[index] = converted
-    clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
+    clean = {k: v for k, v in state_dict.items() if k != keys.SHARDED_KEYS}
     optimizer.load_state_dict({**clean, "state": state})
 
 
@@ -178,14 +169,14 @@ def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: di
     """Stage 3: load a ``state_dict`` of whole tensors into an optimizer over ``fully_shard``'s DTensor parameters;
     each parameter-shaped entry becomes a DTensor laid out like its parameter (this rank's rows, no communication)."""
     params = _optimizer_tensors(optimizer)
-    recorded: dict[int, list[str]] | None = state_dict.get(SHARDED_KEYS)
+    recorded: dict[int, list[str]] | None = state_dict.get(keys.SHARDED_KEYS)
     state = {}
     for index, param_state in state_dict["state"].items():
         param = params[index]
         converted = dict(param_state)
         if isinstance(param, DTensor):
             for key, value in param_state.items():
-                if key in recorded.get(index, ()) if recorded is not None else _was_sharded(key, value, param.shape):
+                if keys.sharded_with_parameter(recorded, index, key, value, param.shape):
                     placed = distribute_tensor(
                         value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
                     )
@@ -194,5 +185,5 @@ def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: di
                     converted[key] = torch.empty_like(param, dtype=placed.dtype)
                     converted[key].to_local().copy_(placed.to_local())
         state[index] = converted
-    clean = {k: v for k, v in state_dict.items() if k != SHARDED_KEYS}
+    clean = {k: v for k, v in state_dict.items() if k != keys.SHARDED_KEYS}
     optimizer.load_state_dict({**clean, "state": state})

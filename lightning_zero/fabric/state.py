@@ -22,7 +22,8 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.directory import CheckpointError, read_meta
+from lightning_zero._checkpoint.directory import CheckpointError, read_saved_meta
+from lightning_zero._checkpoint.unpickling import Unpickling
 
 RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
 _MODEL, _OPTIMIZERS, _SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
@@ -78,10 +79,11 @@ class FabricState:
         checkpoint[RECORD] = {"module": self.module_key, "optimizers": list(self.optimizers)}
         return checkpoint
 
-    def saved_optimizer_order(self, path: Path) -> list[str]:
+    def saved_optimizer_order(self, path: Path, weights_only: bool | None) -> list[str]:
         """The names of ``state``'s optimizers in the order the checkpoint directory at ``path`` saved their states:
-        by their names in a Fabric checkpoint, as listed otherwise (a Trainer checkpoint)."""
-        meta, _ = read_meta(path)
+        by their names in a Fabric checkpoint, as listed otherwise (a Trainer checkpoint). ``weights_only``: the
+        user's, what the checkpoint's pickled files may import."""
+        meta = read_saved_meta(path, Unpickling.from_weights_only(weights_only))
         saved = meta["checkpoint"].get(RECORD, {}).get("optimizers")
         if saved is None:
             return list(self.optimizers)

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._checkpoint.live import readable_directory, save_directory
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
@@ -175,7 +175,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
         target = Path(self.broadcast(str(path)))
         named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
-        save_directory(checkpoint, named_like, target, self.global_rank, self.barrier)
+        save_directory(checkpoint, named_like, target)
 
     @override
     def load_checkpoint(
@@ -201,10 +201,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 " HINT: pass the module set up with `fabric.setup` in `state` too."
             )
         source = Path(self.broadcast(str(path)))
-        if source.is_dir():
-            saved = parts.saved_optimizer_order(source)
+        directory = readable_directory(source)
+        if directory is not None:
+            saved = parts.saved_optimizer_order(directory, weights_only)
             optimizers = [state[k] for k in saved]
-            checkpoint = self.mode.load_directory(source, module, optimizers)
+            checkpoint = self.mode.load_directory(directory, module, optimizers, weights_only)
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
             self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._checkpoint.live import readable_directory, save_directory
 from lightning_zero._config import ModuleOption, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
@@ -313,7 +313,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             )
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
-        save_directory(checkpoint, self.lightning_module, path, self.global_rank, self.barrier)
+        save_directory(checkpoint, self.lightning_module, path)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -328,11 +328,13 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
+        directory = readable_directory(path)
+        if directory is None:
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self.mode.load_directory(path, self.lightning_module, self.optimizers if fitting else [])
+        optimizers = self.optimizers if fitting else []
+        return self.mode.load_directory(directory, self.lightning_module, optimizers, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

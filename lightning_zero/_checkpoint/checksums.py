@@ -1,0 +1,166 @@
+"""A CRC-32 of every file of a checkpoint directory, recorded when it is written and checked before it is read.
+
+Neither DCP nor torch's zip reader checks what it reads: one flipped bit in a shard file (raw tensor bytes) or in a
+tensor of ``lightning_zero.pt`` (torch's reader ignores the CRC-32 the zip format stores) loads silently as other
+numbers. So each rank sums the files it wrote right after writing them, from the page cache and while the disk syncs
+them (:class:`ChecksummingWriter`); rank 0 gathers the sums, adds ``.metadata`` and ``lightning_zero.pt``, and writes
+them last as ``checksums.json``, which carries a CRC-32 of its own entries so that damage to the record itself is told
+apart from damage to the files it describes.
+
+A load checks the small files where every rank reads them (the bytes checked are the bytes parsed) and spreads the
+shard files over the ranks, each read once (:func:`share`).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.futures import Future
+
+from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
+from lightning_zero._checkpoint.publish import fsync_file
+
+CHECKSUM_FILE = "checksums.json"
+ALGORITHM = "zlib.crc32"
+_CHUNK = 16 * 2**20  # bytes read at a time: large enough that the sum, not Python, sets the pace
+
+
+class FileSum(NamedTuple):
+    size: int  # bytes
+    crc32: int
+
+
+def sum_bytes(data: bytes | memoryview) -> FileSum:
+    return FileSum(len(data), zlib.crc32(data))
+
+
+def sum_file(path: Path) -> FileSum:
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    size, crc = 0, 0
+    with open(path, "rb", buffering=0) as file:
+        while count := file.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+            size += count
+    return FileSum(size, crc)
+
+
+def _canonical(files: dict[str, FileSum]) -> bytes:
+    entries = {name: {"bytes": s.size, "crc32": f"{s.crc32:08x}"} for name, s in sorted(files.items())}
+    return json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Record:
+    """The sums of a checkpoint's files by name, relative to its directory."""
+
+    files: dict[str, FileSum]
+
+    def encode(self) -> bytes:
+        """The content of ``checksums.json``."""
+        return json.dumps(
+            {
+                "algorithm": ALGORITHM,
+                "files": json.loads(_canonical(self.files)),
+                "record_crc32": f"{zlib.crc32(_canonical(self.files)):08x}",
+            },
+            indent=1,
+        ).encode()
+
+    @classmethod
+    def read(cls, path: Path) -> Record | None:
+        """The record of the checkpoint at ``path``; ``None`` for a checkpoint written before records were kept."""
+        file = path / CHECKSUM_FILE
+        if not file.is_file():
+            return None
+        try:
+            content = json.loads(file.read_bytes())
+            if content["algorithm"] != ALGORITHM:
+                raise ValueError(f"unknown algorithm {content['algorithm']!r}")
+            files = {name: FileSum(int(e["bytes"]), int(e["crc32"], 16)) for name, e in content["files"].items()}
+            recorded = int(content["record_crc32"], 16)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"Checkpoint file {file} cannot be read ({error}). {DAMAGE_HINT}") from None
+        if zlib.crc32(_canonical(files)) != recorded:
+            raise CheckpointError(
+                f"Checkpoint file {file} is damaged: its entries do not match its own CRC-32. {DAMAGE_HINT}"
+            )
+        return cls(files)
+
+    def check_bytes(self, path: Path, name: str, data: bytes) -> None:
+        """The file ``name`` of the checkpoint at ``path`` read as ``data`` is the file that was written."""
+        _compare(path / name, self._expected(path, name), sum_bytes(data))
+
+    def check_files(self, path: Path, names: list[str]) -> None:
+        for name in names:
+            expected, file = self._expected(path, name), path / name
+            if not file.is_file():
+                raise CheckpointError(
+                    f"Checkpoint file {file} is missing ({expected.size:,} bytes when it was written). {DAMAGE_HINT}"
+                )
+            _compare(file, expected, sum_file(file))
+
+    def _expected(self, path: Path, name: str) -> FileSum:
+        if name not in self.files:
+            raise CheckpointError(f"Checkpoint {path}: {CHECKSUM_FILE} has no entry for `{name}`. {DAMAGE_HINT}")
+        return self.files[name]
+
+
+def _compare(file: Path, expected: FileSum, actual: FileSum) -> None:
+    if actual.size < expected.size:
+        raise CheckpointError(
+            f"Checkpoint file {file} is truncated: {actual.size:,} bytes, {expected.size:,} when it was written."
+            f" {DAMAGE_HINT}"
+        )
+    if actual.size > expected.size:
+        raise CheckpointError(
+            f"Checkpoint file {file} has grown: {actual.size:,} bytes, {expected.size:,} when it was written."
+            f" {DAMAGE_HINT}"
+        )
+    if actual.crc32 != expected.crc32:
+        raise CheckpointError(
+            f"Checkpoint file {file} is damaged: its CRC-32 is {actual.crc32:08x}, {expected.crc32:08x} when it was"
+            f" written (same size, {actual.size:,} bytes: bits changed on disk or in a copy). {DAMAGE_HINT}"
+        )
+
+
+def share(files: dict[str, FileSum], rank: int, world_size: int) -> list[str]:
+    """The files rank ``rank`` checks: largest first, each to the rank with the fewest bytes so far, so every file is
+    read once and the ranks read about as much. The same on every rank."""
+    load = [0] * world_size
+    mine = []
+    for name, file_sum in sorted(files.items(), key=lambda item: (-item[1].size, item[0])):
+        reader = load.index(min(load))
+        load[reader] += file_sum.size
+        if reader == rank:
+            mine.append(name)
+    return mine
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer that sums each file this rank wrote (``sums``, by name) while the disk syncs it: DCP's own
+    sync is off and done here, a thread per file, so summing from the page cache and waiting for the disk overlap
+    instead of adding up (``os.fsync`` and ``zlib.crc32`` both release the GIL). ``.metadata``, which DCP writes
+    after this, is synced by the caller."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, sync_files=False)
+        self.sums: dict[str, FileSum] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
+        future = super().write_data(plan, planner)
+        written = sorted({result.storage_data.relative_path for result in future.wait()})
+        files = {name: Path(self.path) / name for name in written}
+        with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
+            synced = [pool.submit(fsync_file, file) for file in files.values()]
+            self.sums = {name: sum_file(file) for name, file in files.items()}
+            for sync in synced:
+                sync.result()
+        return future

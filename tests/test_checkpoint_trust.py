@@ -1,0 +1,348 @@
+"""What a checkpoint directory from elsewhere can do: run no code, and show damage as a `CheckpointError` that names
+the file and what is wrong.
+
+Altered copies of one real 2-rank checkpoint are loaded through every entry point: `consolidate_checkpoint`, the
+command line, and `Trainer.fit(ckpt_path=...)` (one process here; two in a worker, where each rank checks its share
+of the files and every rank must raise the same error). A payload pickles as a call that creates a marker file, so
+"no code ran" is a file that does not exist. Whoever alters a checkpoint can rewrite its checksums too (they catch
+damage, not forgery): :func:`reseal` does, so the payload tests reach the unpickling itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import re
+import shutil
+import zlib
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+import lightning_zero  # noqa: F401
+from lightning_zero import CheckpointError, consolidate_checkpoint
+from lightning_zero.__main__ import main as command_line
+from tests.launch import launch
+from tests.workers.checkpoints import MODULE_KWARGS
+from tests.workers.modules import Classifier
+
+WORKER = "tests.workers.checkpoint_faults"
+
+
+class Touch:
+    """Pickles as ``Path.touch(marker)``: loading it runs code, whose trace is the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("saved")
+    launch(WORKER, ["save", str(out)], world_size=2)
+    return out
+
+
+@pytest.fixture
+def copy(saved: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(saved / "checkpoint", tmp_path / "checkpoint"))
+
+
+def reseal(checkpoint: Path) -> None:
+    """Rewrite ``checksums.json`` (where there is one) for the files as they are now."""
+    record = checkpoint / "checksums.json"
+    if not record.exists():
+        return
+    content = json.loads(record.read_text())
+    for name, entry in content["files"].items():
+        data = (checkpoint / name).read_bytes()
+        entry.update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+    canonical = json.dumps(content["files"], sort_keys=True, separators=(",", ":")).encode()
+    content["record_crc32"] = f"{zlib.crc32(canonical):08x}"
+    record.write_text(json.dumps(content))
+
+
+def alter_meta(checkpoint: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    meta = torch.load(checkpoint / "lightning_zero.pt", weights_only=False)
+    change(meta)
+    torch.save(meta, checkpoint / "lightning_zero.pt")
+    reseal(checkpoint)
+
+
+def alter_dcp_metadata(checkpoint: Path, change: Callable[[Any], None]) -> None:
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    change(metadata)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(checkpoint)
+
+
+def fit(checkpoint: Path, **kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=6, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Classifier(**MODULE_KWARGS), ckpt_path=checkpoint, **kwargs)
+    return trainer
+
+
+def consolidate_cli(checkpoint: Path, output: Path, *flags: str) -> None:
+    """``python -m lightning_zero consolidate``, in this process; what it printed, raised as the error it reports."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        code = command_line(["consolidate", str(checkpoint), str(output), *flags])
+    if code != 0:
+        raise CheckpointError(printed.getvalue())
+
+
+ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
+    "consolidate": lambda checkpoint, tmp: consolidate_checkpoint(checkpoint, tmp / "out.ckpt"),
+    "command line": lambda checkpoint, tmp: consolidate_cli(checkpoint, tmp / "out.ckpt"),
+    "fit": lambda checkpoint, tmp: fit(checkpoint),
+}
+
+
+# --- no code runs ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_code_planted_in_lightning_zero_pt_never_runs(copy: Path, tmp_path: Path, entry_point: str) -> None:
+    marker = tmp_path / "ran"
+    alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(note=Touch(marker)))
+    with pytest.raises(CheckpointError, match=r"lightning_zero\.pt refers to .*`builtins\.getattr`.*HINT: only for"):
+        ENTRY_POINTS[entry_point](copy, tmp_path)
+    assert not marker.exists()
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_code_planted_in_dcp_metadata_never_runs(copy: Path, tmp_path: Path, entry_point: str) -> None:
+    marker = tmp_path / "ran"
+
+    def plant(metadata: Any) -> None:
+        metadata.planner_data = Touch(marker)
+
+    alter_dcp_metadata(copy, plant)
+    with pytest.raises(CheckpointError, match=r"\.metadata refers to `pathlib\.Path\.touch`, which DCP's metadata"):
+        ENTRY_POINTS[entry_point](copy, tmp_path)
+    assert not marker.exists()
+
+
+def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> None:
+    """DCP stores a non-tensor entry as `torch.save` bytes inside a shard file and loads it with `weights_only=False`;
+    here one more entry points at a payload appended to a shard file."""
+    marker, shard = tmp_path / "ran", copy / "__0_0.distcp"
+    torch.save(Touch(marker), tmp_path / "payload.pt")
+    payload = (tmp_path / "payload.pt").read_bytes()
+    offset = shard.stat().st_size
+    with shard.open("ab") as file:
+        file.write(payload)
+
+    def plant(metadata: Any) -> None:
+        info = next(iter(metadata.storage_data.values()))
+        metadata.state_dict_metadata["model/note"] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex("model/note")] = type(info)("__0_0.distcp", offset, len(payload))
+
+    alter_dcp_metadata(copy, plant)
+    with pytest.raises(CheckpointError, match=r"entry `model/note` in .*__0_0\.distcp refers to .*HINT: only for"):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    assert not marker.exists()
+
+
+def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, tmp_path: Path) -> None:
+    """A hyper-parameter that is neither a tensor nor a plain container: refused by default, as `"ddp"` refuses it in
+    an ordinary checkpoint file; loaded once torch's allow-list names it, or with `weights_only=False` where that
+    reaches the strategy, or with `trust_pickle=True` (consolidation)."""
+    alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(ratio=Fraction(1, 3)))
+    refused = r"lightning_zero\.pt refers to `fractions\.Fraction`.*HINT: .*add_safe_globals.*trust_pickle=True"
+    for weights_only in (None, True, False):  # Lightning 2.6 passes none of them on: each loads restricted
+        with pytest.raises(CheckpointError, match=refused):
+            fit(copy, weights_only=weights_only)
+    with torch.serialization.safe_globals([Fraction]):
+        trainer = fit(copy)
+    assert trainer.global_step == 6
+    assert trainer.strategy.load_checkpoint(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
+    with pytest.raises(CheckpointError, match=refused):
+        trainer.strategy.load_checkpoint(copy, weights_only=True)
+    with pytest.raises(CheckpointError, match=refused):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
+    for trusted in (lambda: consolidate_checkpoint(copy, tmp_path / "out.ckpt", trust_pickle=True),
+                    lambda: consolidate_cli(copy, tmp_path / "out.ckpt", "--trust-pickle")):
+        trusted()
+        output = torch.load(tmp_path / "out.ckpt", weights_only=False)
+        assert output["hyper_parameters"]["ratio"] == Fraction(1, 3)
+    ordinary = tmp_path / "ordinary.ckpt"  # the same object in a single-file checkpoint, under "ddp"
+    torch.save(output, ordinary)
+    pl.seed_everything(0)
+    ddp = pl.Trainer(accelerator="cpu", devices=1, strategy="ddp", max_steps=6, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(pickle.UnpicklingError, match=r"fractions\.Fraction"):
+        ddp.fit(Classifier(**MODULE_KWARGS), ckpt_path=ordinary)
+
+
+def test_ordinary_checkpoints_load_by_default(copy: Path, saved: Path, tmp_path: Path) -> None:
+    """Hyper-parameters from `save_hyperparameters`, loops, callbacks and schedulers need no trust."""
+    assert fit(copy).global_step == 6
+    output = consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    model = Classifier.load_from_checkpoint(output)
+    assert model.hparams.hidden == MODULE_KWARGS["hidden"]
+    for key, value in torch.load(saved / "weights.pt").items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+# --- damage ----------------------------------------------------------------------------------------------------------
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size * 2 // 3])
+
+
+def zero(file: Path) -> None:
+    file.write_bytes(bytes(file.stat().st_size))
+
+
+def flip_a_bit(file: Path, at: float = 0.5) -> None:
+    data = bytearray(file.read_bytes())
+    data[int(len(data) * at)] ^= 0x04
+    file.write_bytes(bytes(data))
+
+
+def flip_a_recorded_checksum(file: Path) -> None:
+    text = file.read_text()
+    at = text.index('"crc32"') + len('"crc32": "')
+    digit = text[at]
+    file.write_text(text[:at] + ("1" if digit == "0" else "0") + text[at + 1 :])
+
+
+DAMAGE = {  # file, what is done to it, what the error must say after the file's path
+    "missing .metadata": (".metadata", Path.unlink, r"lacks `\.metadata` \(DCP's index"),
+    "missing lightning_zero.pt": ("lightning_zero.pt", Path.unlink, r"lacks `lightning_zero\.pt` \(the rest"),
+    "missing checksums.json": ("checksums.json", Path.unlink, r"checksums\.json is missing"),
+    "missing a shard file": ("__0_0.distcp", Path.unlink, r"__0_0\.distcp is missing; it holds"),
+    "truncated .metadata": (".metadata", truncate, r"\.metadata is truncated: [\d,]+ bytes, [\d,]+ when it was"),
+    "truncated lightning_zero.pt": ("lightning_zero.pt", truncate, r"lightning_zero\.pt is truncated: [\d,]+ bytes"),
+    "truncated checksums.json": ("checksums.json", truncate, r"checksums\.json cannot be read"),
+    "truncated shard file": ("__1_0.distcp", truncate, r"__1_0\.distcp is truncated"),
+    "zeroed .metadata": (".metadata", zero, r"\.metadata is damaged: its CRC-32 is"),
+    "a bit flipped in .metadata": (".metadata", flip_a_bit, r"\.metadata is damaged: its CRC-32 is"),
+    "a bit flipped in lightning_zero.pt": ("lightning_zero.pt", flip_a_bit, r"lightning_zero\.pt is damaged: its CRC"),
+    "a bit flipped in shard 0": ("__0_0.distcp", flip_a_bit, r"__0_0\.distcp is damaged: its CRC-32 is [0-9a-f]{8},"),
+    "a bit flipped in shard 1": ("__1_0.distcp", flip_a_bit, r"__1_0\.distcp is damaged: its CRC-32 is [0-9a-f]{8},"),
+    "a bit flipped in checksums.json": (
+        "checksums.json", flip_a_recorded_checksum, r"checksums\.json is damaged: its entries do not match"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damage_is_named_with_a_hint(copy: Path, tmp_path: Path, case: str) -> None:
+    name, damage, message = DAMAGE[case]
+    damage(copy / name)
+    with pytest.raises(CheckpointError, match=message + r".*HINT: ") as error:
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    assert str(copy) in str(error.value)
+    assert not (tmp_path / "out.ckpt").exists()
+    assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
+
+
+RESUMED_DAMAGE = ["a bit flipped in shard 0", "a bit flipped in shard 1", "a bit flipped in lightning_zero.pt",
+                  "zeroed .metadata", "missing checksums.json", "truncated shard file"]
+
+
+def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) -> None:
+    """On 2 ranks each shard file is checked by one rank only; both raise the error that rank found."""
+    copies = []
+    for index, case in enumerate(RESUMED_DAMAGE):
+        name, damage, _ = DAMAGE[case]
+        copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / f"damaged-{index}")))
+        damage(copies[-1] / name)
+    copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / "intact")))
+    launch(WORKER, ["resume_each", str(tmp_path), json.dumps([str(p) for p in copies])], world_size=2)
+    errors = [json.loads((tmp_path / f"errors-rank{rank}.json").read_text()) for rank in range(2)]
+    assert errors[0] == errors[1]
+    for case, copy_ in zip(RESUMED_DAMAGE, copies, strict=False):
+        assert errors[0][str(copy_)] is not None, case
+        assert re.search(DAMAGE[case][2] + r".*HINT: ", errors[0][str(copy_)]), case
+    assert errors[0][str(copies[-1])] is None
+
+
+def test_a_checkpoint_of_the_previous_release_loads_unverified_and_damage_is_still_named(
+    copy: Path, saved: Path, tmp_path: Path
+) -> None:
+    """Checkpoints written before checksums were recorded (format 1, no checksums.json) load with a warning; what is
+    damaged in them is still reported as a `CheckpointError`, not a raw unpickling traceback."""
+    (copy / "checksums.json").unlink()
+    alter_meta(copy, lambda meta: meta.update(format=1))
+    with pytest.warns(UserWarning, match=r"has no checksums\.json.*unverified"):
+        model = Classifier.load_from_checkpoint(consolidate_checkpoint(copy, tmp_path / "out.ckpt"))
+    for key, value in torch.load(saved / "weights.pt").items():
+        assert torch.equal(model.state_dict()[key], value), key
+    for name, damage, message in (
+        (".metadata", zero, r"\.metadata cannot be read as DCP metadata"),
+        ("lightning_zero.pt", truncate, r"lightning_zero\.pt cannot be read"),
+    ):
+        damaged = Path(shutil.copytree(copy, tmp_path / f"damaged{name}"))
+        damage(damaged / name)
+        with pytest.raises(CheckpointError, match=message + r".*HINT: "):
+            consolidate_checkpoint(damaged, tmp_path / "out.ckpt")
+
+
+# --- staging never follows links -------------------------------------------------------------------------------------
+
+
+def plant_links(at: list[Path], victim: Path) -> None:
+    victim.mkdir(exist_ok=True)
+    (victim / "precious").write_text("keep me")
+    for link in at:
+        link.symlink_to(victim, target_is_directory=True)
+
+
+def test_consolidation_never_writes_through_a_planted_link(copy: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    output = tmp_path / "out.ckpt"
+    (tmp_path / ".out.ckpt.partial").symlink_to(victim)  # the staging name earlier releases used
+    consolidate_checkpoint(copy, output)
+    assert victim.read_text() == "keep me"
+    output.unlink()
+    output.symlink_to(victim)  # a link at the output itself is replaced, not written through
+    consolidate_checkpoint(copy, output)
+    assert victim.read_text() == "keep me"
+    assert not output.is_symlink() and torch.load(output)["global_step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.ckpt.partial", "checkpoint", "out.ckpt", "victim"]
+
+
+def test_a_save_never_follows_links_planted_at_its_staging_names(tmp_path: Path) -> None:
+    """Links at the names a save uses or once used beside its target: the save works, what they point to stays, and
+    the links (the save's leftovers by name) go."""
+    target = tmp_path / "checkpoints" / "checkpoint"
+    target.parent.mkdir()
+    names = [".checkpoint.partial", ".checkpoint.old", ".checkpoint.partial-0123456789abcdef"]
+    plant_links([target.parent / name for name in names], tmp_path / "victim")
+    trainer = fit_and_save(target)
+    assert (tmp_path / "victim" / "precious").read_text() == "keep me"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint"]
+    plant_links([target.parent / name for name in names], tmp_path / "victim")
+    trainer.save_checkpoint(target)  # over the first
+    assert (tmp_path / "victim" / "precious").read_text() == "keep me"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint"]
+    assert fit(target).global_step == 6
+
+
+def fit_and_save(target: Path) -> pl.Trainer:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Classifier(**MODULE_KWARGS))
+    trainer.save_checkpoint(target)
+    return trainer

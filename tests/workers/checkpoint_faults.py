@@ -1,0 +1,186 @@
+"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint fault tests; ``argv``: phase, dir,
+then the phase's own arguments.
+
+Deaths are real: a process saving a checkpoint kills itself with SIGKILL at a chosen step, by wrapping the helper the
+publish calls at that step (:mod:`lightning_zero._checkpoint.publish`, ``os.rename``) or DCP's file writer; the
+package has no hook for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+import lightning_zero  # noqa: F401
+from lightning_zero import CheckpointError
+from tests.workers.checkpoints import MODULE_KWARGS, trainer
+from tests.workers.modules import Classifier
+
+OLD_STEPS, NEW_STEPS, LATER_STEPS = 4, 6, 8
+# Where a publish over an existing checkpoint can die, for each way of replacing it, and which checkpoint the target
+# must then hold.
+PUBLISH_STEPS = {
+    "exchange": {"before_swap": "old", "after_swap": "new", "while_removing_old": "new"},
+    "two_renames": {
+        "before_first_rename": "old",
+        "between_renames": "old",
+        "after_second_rename": "new",
+        "while_removing_old": "new",
+    },
+}
+
+
+class StepAtStart(pl.Callback):
+    """The step a run resumed from: the step of the checkpoint it loaded."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+def case_target(out: Path, swap: str, step: str) -> Path:
+    return out / swap / step / "checkpoints" / "checkpoint"
+
+
+def fit(max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, StepAtStart]:
+    pl.seed_everything(0)
+    start = StepAtStart()
+    t = trainer("zero2", max_steps, callbacks=[start])
+    t.fit(Classifier(**MODULE_KWARGS), ckpt_path=ckpt_path, **kwargs)
+    return t, start
+
+
+def weights(t: pl.Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.lightning_module.state_dict().items()}
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(swap: str, step: str, target: Path) -> None:
+    """Wrap the helper the publish of ``target`` calls at ``step`` so that the process dies there; for
+    ``"two_renames"`` the filesystem refuses RENAME_EXCHANGE, as NFS does."""
+    from lightning_zero._checkpoint import publish  # only the phases that die in a publish need it
+    if swap == "two_renames":
+
+        def refuse(staging: Path, existing: Path) -> None:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(staging), None, str(existing))
+
+        publish.exchange = refuse
+    if step == "while_removing_old":
+        remove = publish.remove
+
+        def remove_one_file_then_die(path: Path) -> None:
+            if path.is_dir() and not path.is_symlink():
+                (path / "__0_0.distcp").unlink()
+                die()
+            remove(path)
+
+        publish.remove = remove_one_file_then_die
+    elif swap == "exchange":
+        exchange = publish.exchange
+
+        def exchange_and_die(staging: Path, existing: Path) -> None:
+            if step == "before_swap":
+                die()
+            exchange(staging, existing)
+            die()
+
+        publish.exchange = exchange_and_die
+    else:
+        rename = os.rename
+
+        def rename_and_die(source: Any, destination: Any, *args: Any, **kwargs: Any) -> None:
+            first, second = Path(source) == target, Path(destination) == target
+            if first and step == "before_first_rename":
+                die()
+            rename(source, destination, *args, **kwargs)
+            if (first and step == "between_renames") or (second and step == "after_second_rename"):
+                die()
+
+        os.rename = rename_and_die
+
+
+def write_then_die(original: Callable[..., Any]) -> Callable[..., Any]:
+    def write(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        original(self, plan, planner)
+        die()
+
+    return write
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", 0))
+    if phase == "save":  # a checkpoint of 2 ranks and its weights, for the tests to alter copies of
+        t, _ = fit(OLD_STEPS)
+        t.save_checkpoint(out / "checkpoint")
+        if rank == 0:
+            torch.save(weights(t), out / "weights.pt")
+    elif phase == "resume_each":  # try to resume from each checkpoint listed; note what every rank raised
+        errors = {}
+        for path in json.loads(sys.argv[3]):
+            try:
+                fit(OLD_STEPS, Path(path))
+                errors[path] = None
+            except CheckpointError as error:
+                errors[path] = str(error)
+        (out / f"errors-rank{rank}.json").write_text(json.dumps(errors))
+    elif phase == "kill_during_publish":  # per case: a checkpoint, then a later one saved over it, dying at one step
+        old, _ = fit(OLD_STEPS)
+        new, _ = fit(NEW_STEPS)
+        torch.save(weights(old), out / "old.pt")
+        torch.save(weights(new), out / "new.pt")
+        # Each doomed save runs in a child forked from this one process, which imports and trains once for all;
+        # without a process group, a save is one process's own.
+        torch.distributed.destroy_process_group()
+        signals = {}
+        for swap, steps in PUBLISH_STEPS.items():
+            for step in steps:
+                target = case_target(out, swap, step)
+                old.save_checkpoint(target)
+                child = os.fork()
+                if child == 0:
+                    kill_at(swap, step, target)
+                    new.save_checkpoint(target)
+                    os._exit(0)  # survived: the parent reports it
+                _, status = os.waitpid(child, 0)
+                signals[f"{swap}/{step}"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        (out / "signals.json").write_text(json.dumps(signals))
+    elif phase == "kill_during_write":  # every rank dies right after writing its shards over an existing checkpoint
+        target = out / "checkpoints" / "checkpoint"
+        t, _ = fit(OLD_STEPS)
+        t.save_checkpoint(target)
+        if rank == 0:
+            torch.save(weights(t), out / "old.pt")
+        t, _ = fit(NEW_STEPS)
+        FileSystemWriter.write_data = write_then_die(FileSystemWriter.write_data)
+        t.save_checkpoint(target)
+        raise AssertionError("the save survived")
+    elif phase == "resume_and_save":  # for each checkpoint given: resume from it, train on, save over it
+        steps = {}
+        for target in json.loads(sys.argv[3]):
+            t, start = fit(LATER_STEPS, Path(target))
+            t.save_checkpoint(target)
+            steps[target] = start.step
+        if rank == 0:
+            (out / "resumed.json").write_text(json.dumps(steps))
+    else:
+        raise ValueError(phase)
+
+
+if __name__ == "__main__":
+    main()
