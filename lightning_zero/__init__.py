@@ -10,7 +10,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric
-from lightning_zero._checkpoint.directory import CheckpointError
+from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._offload.target import OffloadError
 from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.pytorch.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy

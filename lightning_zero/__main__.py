@@ -18,7 +18,7 @@ import sys
 
 import yaml
 
-from lightning_zero._checkpoint.directory import CheckpointError
+from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.estimate import OPTIMIZER_STATES, count_parameters, estimate, format_table
 

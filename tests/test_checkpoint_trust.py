@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import lightning_zero  # noqa: F401
@@ -104,10 +105,21 @@ def consolidate_cli(checkpoint: Path, output: Path, *flags: str) -> None:
         raise CheckpointError(printed.getvalue())
 
 
+def fabric_load(checkpoint: Path) -> dict[str, Any]:
+    """``fabric.load`` of the directory the Trainer saved, into a module and optimizer set up by Fabric."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="zero2")
+    fabric.launch()  # one process: this one
+    module = Classifier(**MODULE_KWARGS)
+    configured = module.configure_optimizers()  # the optimizer and its scheduler
+    model, optimizer = fabric.setup(module, configured["optimizer"])
+    return fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+
+
 ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
     "consolidate": lambda checkpoint, tmp: consolidate_checkpoint(checkpoint, tmp / "out.ckpt"),
     "command line": lambda checkpoint, tmp: consolidate_cli(checkpoint, tmp / "out.ckpt"),
     "fit": lambda checkpoint, tmp: fit(checkpoint),
+    "fabric.load": lambda checkpoint, tmp: fabric_load(checkpoint),
 }
 
 
@@ -253,6 +265,13 @@ def test_damage_is_named_with_a_hint(copy: Path, tmp_path: Path, case: str) -> N
     assert str(copy) in str(error.value)
     assert not (tmp_path / "out.ckpt").exists()
     assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
+
+
+def test_fabric_load_checks_every_file_as_the_trainer_does(copy: Path) -> None:
+    """``fabric.load`` reads the directory through the same checks: a flipped bit in the shard another rank wrote."""
+    flip_a_bit(copy / "__1_0.distcp")
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp is damaged: its CRC-32 is [0-9a-f]{8},.*HINT: "):
+        fabric_load(copy)
 
 
 RESUMED_DAMAGE = ["a bit flipped in shard 0", "a bit flipped in shard 1", "a bit flipped in lightning_zero.pt",

@@ -21,7 +21,7 @@ from tests.workers.modules import Classifier
 
 # each public name of the package, and the module that defines it
 PUBLIC = {
-    "CheckpointError": "lightning_zero._checkpoint.directory",
+    "CheckpointError": "lightning_zero._checkpoint.error",
     "OffloadError": "lightning_zero._offload.target",
     "Zero1Strategy": "lightning_zero.pytorch.strategy",
     "Zero2Strategy": "lightning_zero.pytorch.strategy",

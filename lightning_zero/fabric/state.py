@@ -22,7 +22,8 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.directory import CheckpointError, read_saved_meta
+from lightning_zero._checkpoint.directory import read_saved_meta
+from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.unpickling import Unpickling
 
 RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
