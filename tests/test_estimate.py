@@ -234,6 +234,19 @@ def test_memory_report_logged_after_the_first_step(
         assert printed_estimate == format_bytes(want), report
         assert abs(got - want) <= slack + rounding, f"{strategy} {category}: {got} vs {want}\n{report}"
     assert [per_rank[(scenario, strategy.label)]["memory_reports"] for per_rank in measured[1:]] == [[]]
+    # what the process holds for communication (shared-memory segments of 2 CPU ranks, the engine's buffers) is a
+    # row of its own, not model state, and the last row adds it to the model state
+    (communication, held) = (printed_bytes(report, row) for row in ("communication buffers", "held in all"))
+    total = printed_bytes(report, "total")
+    assert communication[0] > 0, report
+    assert abs(held[0] - total[0] - communication[0]) <= held[1] + total[1] + communication[1], report
+
+
+def printed_bytes(report: str, row: str) -> tuple[float, float]:
+    """The measured bytes of ``row`` as printed, and how far printing to one decimal may have moved them."""
+    (line,) = [line for line in report.splitlines() if line.startswith(f"| {row} |")]
+    value, unit = line.split("|")[2].split()
+    return float(value) * _UNITS[unit], 0 if unit == "B" else 0.05 * _UNITS[unit]
 
 
 def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> None:
