@@ -36,6 +36,9 @@ SIZES: dict[str, GPTShape] = {
     "large": GPTShape(n_layer=12, n_head=12, d_model=768, vocab_size=32000, seq_len=512),  # 110M
     "350m": GPTShape(n_layer=24, n_head=16, d_model=1024, vocab_size=32000, seq_len=1024),  # 336M
     "1b": GPTShape(n_layer=20, n_head=16, d_model=2048, vocab_size=32000, seq_len=1024),  # 1.07B
+    # GPT-2's own shapes, for benchmarks/bench_gpu.py
+    "gpt2-small": GPTShape(n_layer=12, n_head=12, d_model=768, vocab_size=50257, seq_len=1024),  # 124M
+    "gpt2-medium": GPTShape(n_layer=24, n_head=16, d_model=1024, vocab_size=50257, seq_len=1024),  # 355M
 }
 
 

@@ -1,0 +1,26 @@
+"""The GPU benchmark's own code runs, on the CPU: so a machine with a GPU measures instead of debugging the script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
+    table = tmp_path / "table.md"
+    argv = [
+        sys.executable, "-m", "benchmarks.bench_gpu", "--device", "cpu", "--sizes", "tiny", "--precision", "32-true",
+        "--strategies", "ddp,zero1,zero2,zero3", "--steps", "2", "--warmup", "1", "--rounds", "1", "--batch-size", "2",
+        "--out", str(table),
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split(" | ") for line in table.read_text().splitlines() if line.startswith("| tiny |")]
+    assert [row[1] for row in rows] == ["ddp", "zero1", "zero2", "zero3"], table.read_text()
+    for row in rows:
+        assert float(row[2].replace(",", "")) > 0  # tokens/s
+    assert rows[0][3] == "1.000"  # ddp against itself
+    assert "failed" not in done.stdout, done.stdout
