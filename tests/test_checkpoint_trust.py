@@ -28,7 +28,7 @@ import torch
 from lightning.fabric import Fabric
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-import lightning_zero  # noqa: F401
+import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero.__main__ import main as command_line
 from tests.launch import launch
@@ -356,6 +356,19 @@ def test_a_save_never_follows_links_planted_at_its_staging_names(tmp_path: Path)
     assert (tmp_path / "victim" / "precious").read_text() == "keep me"
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint"]
     assert fit(target).global_step == 6
+
+
+def test_removing_a_checkpoint_removes_a_link_not_its_target(tmp_path: Path) -> None:
+    """`ModelCheckpoint` removes old checkpoints through the strategy; a link planted at one's path goes alone."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("kept")
+    for target in (victim, victim / "precious"):
+        link = tmp_path / f"link-to-{target.name}"
+        link.symlink_to(target)
+        lightning_zero.ZeroStrategy(stage=2).remove_checkpoint(link)
+        assert not link.is_symlink()
+    assert (victim / "precious").read_text() == "kept"
 
 
 def fit_and_save(target: Path) -> pl.Trainer:

@@ -317,11 +317,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint at ``filepath``; a link there is removed, never what it points to."""
         if self.is_global_zero:
             path = Path(filepath)
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
-            elif path.exists():
+            elif path.is_symlink() or path.exists():
                 path.unlink()
 
     @override
