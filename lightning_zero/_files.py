@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 # O_TMPFILE where the filesystem lacks it: EOPNOTSUPP, or EISDIR from kernels that predate it (O_DIRECTORY is in it)
-_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
 
 
 def reserved_mapping(path: Path, size: int) -> mmap.mmap:
@@ -48,7 +48,7 @@ def nameless_file(directory: Path) -> int:
         try:
             return os.open(directory, flags | os.O_RDWR, 0o600)
         except OSError as error:
-            if error.errno not in _NO_TMPFILE:
+            if error.errno not in NO_TMPFILE:
                 raise
     fd, name = tempfile.mkstemp(dir=directory, prefix=".lightning_zero-")
     os.unlink(name)

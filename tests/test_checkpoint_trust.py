@@ -16,6 +16,9 @@ import json
 import pickle
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from fractions import Fraction
@@ -356,6 +359,27 @@ def test_a_save_never_follows_links_planted_at_its_staging_names(tmp_path: Path)
     assert (tmp_path / "victim" / "precious").read_text() == "keep me"
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint"]
     assert fit(target).global_step == 6
+
+
+def test_consolidation_killed_while_writing_leaves_nothing(copy: Path, tmp_path: Path) -> None:
+    """The output is written with no name until it is whole: a SIGKILL while writing leaves no file (GBs, for a
+    large model) in the output's directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code = f"""
+import os, signal, torch
+from lightning_zero import consolidate_checkpoint
+real_save = torch.save
+def save_then_die(obj, file):
+    real_save(obj, file)
+    file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save_then_die
+consolidate_checkpoint({str(copy)!r}, {str(out / "model.ckpt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert list(out.iterdir()) == []
 
 
 def test_removing_a_checkpoint_removes_a_link_not_its_target(tmp_path: Path) -> None:

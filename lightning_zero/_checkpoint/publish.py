@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from lightning_zero._files import NO_TMPFILE
+
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -38,6 +40,7 @@ _RENAME_EXCHANGE = 2
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "riscv64": 276, "ppc64le": 357, "s390x": 347}
 # what a filesystem answers when it does not know a flag of renameat2
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
 
 
 def _libc_renameat2() -> Callable[[bytes, bytes, int], int] | None:
@@ -242,20 +245,51 @@ def write_new_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def publish_file(output: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``output`` through a new file of a random name beside it (see :func:`write_new_file`), then rename it over
-    ``output``: ``output`` is never half-written, and a link at ``output`` is replaced, not written through."""
-    for _ in range(100):
-        staging = output.parent / f".{output.name}.{secrets.token_hex(8)}.partial"
-        try:
-            write_new_file(staging, write)
-        except FileExistsError:
-            continue
-        break
-    else:
-        raise FileExistsError(errno.EEXIST, "no free staging name", str(output))
+    """Write ``output`` through a new file beside it, then rename that over ``output``: ``output`` is never
+    half-written, and a link at ``output`` is replaced, not written through. The new file has no name while it is
+    written (``O_TMPFILE``), so a process killed meanwhile leaves nothing; it gets a random name only to be renamed.
+    Where the filesystem lacks ``O_TMPFILE`` it is written under that name (see :func:`write_new_file`)."""
+    staging = _link_nameless(output, write)
+    if staging is None:
+        staging = _new_name(output, lambda name: write_new_file(name, write))
     try:
         os.replace(staging, output)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
     fsync_directory(output.parent)
+
+
+def _link_nameless(output: Path, write: Callable[[BinaryIO], None]) -> Path | None:
+    """Write a nameless file beside ``output``, sync it and give it a new random name; None where the filesystem (or
+    the system: no ``/proc``) cannot."""
+    try:
+        fd = os.open(output.parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    except (AttributeError, OSError) as error:  # no O_TMPFILE here
+        if isinstance(error, OSError) and error.errno not in NO_TMPFILE:
+            raise
+        return None
+    with os.fdopen(fd, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+        source = f"/proc/self/fd/{file.fileno()}"
+        if not os.path.exists(source):  # no /proc: rewritten under a name
+            return None
+        directory = os.open(output.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # a directory descriptor makes os.link call linkat, which follows /proc's link to the file
+            return _new_name(output, lambda name: os.link(source, name.name, dst_dir_fd=directory))
+        finally:
+            os.close(directory)
+
+
+def _new_name(output: Path, create: Callable[[Path], None]) -> Path:
+    """``create`` a file at a fresh random hidden name beside ``output``; that name."""
+    for _ in range(100):
+        staging = output.parent / f".{output.name}.{secrets.token_hex(8)}.partial"
+        try:
+            create(staging)
+        except FileExistsError:
+            continue
+        return staging
+    raise FileExistsError(errno.EEXIST, "no free staging name", str(output))
