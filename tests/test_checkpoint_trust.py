@@ -108,14 +108,14 @@ def consolidate_cli(checkpoint: Path, output: Path, *flags: str) -> None:
         raise CheckpointError(printed.getvalue())
 
 
-def fabric_load(checkpoint: Path) -> dict[str, Any]:
+def fabric_load(checkpoint: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """``fabric.load`` of the directory the Trainer saved, into a module and optimizer set up by Fabric."""
     fabric = Fabric(accelerator="cpu", devices=1, strategy="zero2")
     fabric.launch()  # one process: this one
     module = Classifier(**MODULE_KWARGS)
     configured = module.configure_optimizers()  # the optimizer and its scheduler
     model, optimizer = fabric.setup(module, configured["optimizer"])
-    return fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+    return fabric.load(checkpoint, {"model": model, "optimizer": optimizer}, weights_only=weights_only)
 
 
 ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
@@ -176,7 +176,7 @@ def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> N
 def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, tmp_path: Path) -> None:
     """A hyper-parameter that is neither a tensor nor a plain container: refused by default, as `"ddp"` refuses it in
     an ordinary checkpoint file; loaded once torch's allow-list names it, or with `weights_only=False` where that
-    reaches the strategy, or with `trust_pickle=True` (consolidation)."""
+    reaches the strategy (`fabric.load` passes it on), or with `trust_pickle=True` (consolidation)."""
     alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(ratio=Fraction(1, 3)))
     refused = r"lightning_zero\.pt refers to `fractions\.Fraction`.*HINT: .*add_safe_globals.*trust_pickle=True"
     for weights_only in (None, True, False):  # Lightning 2.6 passes none of them on: each loads restricted
@@ -188,6 +188,10 @@ def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, 
     assert trainer.strategy.load_checkpoint(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
     with pytest.raises(CheckpointError, match=refused):
         trainer.strategy.load_checkpoint(copy, weights_only=True)
+    for weights_only in (None, True):  # Fabric passes the user's on
+        with pytest.raises(CheckpointError, match=refused):
+            fabric_load(copy, weights_only)
+    assert fabric_load(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
     with pytest.raises(CheckpointError, match=refused):
         consolidate_checkpoint(copy, tmp_path / "out.ckpt")
     assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
