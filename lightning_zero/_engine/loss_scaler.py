@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_zero._grouping import group_by
+
 
 class StepVerdict(Enum):
     """What the last unscale found in this rank's gradient shards and, through one all-reduce, in everyone's."""
@@ -44,7 +46,7 @@ class LossScaler:
         found_inf = torch.zeros(1, device=device)
         if grads:
             inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
-            for same_dtype in _by_dtype(grads):
+            for same_dtype in group_by(grads, lambda g: g.dtype).values():
                 torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
         with torch.profiler.record_function("lightning_zero::agree_on_overflow"):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
@@ -70,9 +72,3 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
 
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    return list(groups.values())

@@ -25,6 +25,7 @@ from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._grouping import group_by
 from lightning_zero._offload.host import host_copies, pinned_views
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh
@@ -347,10 +348,8 @@ class ReduceScatterReducer(GradientReducer):
         """Offloaded: each bucket whose gradients are already in the masters' dtype gets a pinned mirror of its
         gradient shards, whose regions are its parameters' host gradients (no copy per parameter, and the mirror
         fills while backward runs); other buckets get a buffer per parameter."""
-        by_dtype: dict[torch.dtype, list[Bucket]] = {}
-        for bucket in buckets:
-            if all(s.grad_to_host and s.master.dtype == bucket.dtype for s in bucket.params):
-                by_dtype.setdefault(bucket.dtype, []).append(bucket)
+        mirrorable = [b for b in buckets if all(s.grad_to_host and s.master.dtype == b.dtype for s in b.params)]
+        by_dtype = group_by(mirrorable, lambda b: b.dtype)
         for dtype, mirrored in by_dtype.items():
             mirrors = pinned_views([b.layout.chunk_numel for b in mirrored], dtype)
             for bucket, mirror in zip(mirrored, mirrors, strict=True):

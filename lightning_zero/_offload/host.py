@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
+from lightning_zero._grouping import group_by
+
 
 def host_copies(tensors: list[torch.Tensor], dtype: torch.dtype | None, pin: bool) -> list[torch.Tensor]:
     """Host copies of ``tensors`` (in ``dtype``, or each one's own), carved out of a few large allocations per dtype
     rather than one per tensor (see :func:`pinned_views` for the pinned case)."""
     copies: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_dtype.setdefault(dtype or tensor.dtype, []).append(index)
+    by_dtype = group_by(range(len(tensors)), lambda i: dtype or tensors[i].dtype)
     for same_dtype, indices in by_dtype.items():
         numels = [tensors[i].numel() for i in indices]
         if pin:

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_zero._config import ZeroConfig
+from lightning_zero._grouping import group_by
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms
@@ -149,9 +150,7 @@ class ShardedModule:
         """Average the replicated parameters' gradients over ranks, DDP's way: a rank without one counts as zero, and
         a parameter that no rank produced a gradient for keeps ``grad is None``."""
         params = [p for p in self.replicated if p.requires_grad]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for param in params:
-            by_dtype.setdefault((param.dtype, param.device), []).append(param)
+        by_dtype = group_by(params, lambda p: (p.dtype, p.device))
         with torch.no_grad():
             for (dtype, device), same in by_dtype.items():
                 flat = torch.zeros(2 * len(same), dtype=dtype, device=device)  # gradients, then presence flags

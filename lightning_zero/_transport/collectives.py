@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from lightning_zero._grouping import group_by
 from lightning_zero._transport import peers, shared_memory
 from lightning_zero._transport.traffic import TRAFFIC
 
@@ -156,9 +157,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:
     """Broadcast ``tensors`` from group rank ``src`` in place, one flat message per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    by_dtype = group_by(tensors, lambda t: t.dtype)
     TRAFFIC.record("broadcast", sum(t.nbytes for t in tensors), group)
     with torch.profiler.record_function("lightning_zero::broadcast_buffers"):
         for same_dtype in by_dtype.values():
