@@ -39,21 +39,23 @@ def consolidate_checkpoint(
     plain containers and DCP's own classes: a checkpoint holding other objects (a custom class among the
     hyper-parameters, say) raises :class:`CheckpointError` naming them. ``trust_pickle=True`` lets such a checkpoint
     import and run what its pickles name, as ``torch.load(weights_only=False)`` does: only for checkpoints you trust.
-    The output file is written beside ``output_file`` under a new random name and renamed into place.
+    The shard files are checked while they are read, and nothing is written before every check has passed; the
+    output is never half-written (see :func:`~lightning_zero._checkpoint.publish.publish_file`).
     """
     path = ckpt.readable_directory(Path(checkpoint_dir)) or Path(checkpoint_dir)
     unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
-    meta, metadata = ckpt.read_meta(path, unpickling=unpickling)
+    meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
     read = partial(_read, path, metadata, unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
     entries = metadata.state_dict_metadata
-    checkpoint["state_dict"] = {fqn: read(keys.model_key(fqn)) for fqn in keys.model_entries(entries)}
-    if not weights_only:
-        checkpoint["optimizer_states"] = [
-            _optimizer_state(read, index, groups, meta["sharded"].get(index, {}), metadata)
-            for index, groups in sorted(meta["param_groups"].items())
-        ]
-    else:
+    with shard_check.overlapping():
+        checkpoint["state_dict"] = {fqn: read(keys.model_key(fqn)) for fqn in keys.model_entries(entries)}
+        if not weights_only:
+            checkpoint["optimizer_states"] = [
+                _optimizer_state(read, index, groups, meta["sharded"].get(index, {}), metadata)
+                for index, groups in sorted(meta["param_groups"].items())
+            ]
+    if weights_only:
         for key in ("optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
     output = Path(output_file)

@@ -65,12 +65,9 @@ class Record:
 
     def encode(self) -> bytes:
         """The content of ``checksums.json``."""
+        canonical = _canonical(self.files)
         return json.dumps(
-            {
-                "algorithm": ALGORITHM,
-                "files": json.loads(_canonical(self.files)),
-                "record_crc32": f"{zlib.crc32(_canonical(self.files)):08x}",
-            },
+            {"algorithm": ALGORITHM, "files": json.loads(canonical), "record_crc32": f"{zlib.crc32(canonical):08x}"},
             indent=1,
         ).encode()
 

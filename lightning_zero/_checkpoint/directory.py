@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,8 +47,7 @@ from lightning_zero._checkpoint.checksums import (
     sum_bytes,
     sum_file,
 )
-from lightning_zero._checkpoint.error import DAMAGE_HINT
-from lightning_zero._checkpoint.error import CheckpointError as CheckpointError  # where callers have found it
+from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
 from lightning_zero._checkpoint.ranks import ALONE, Ranks
 from lightning_zero._checkpoint.unpickling import (
     RestrictedLoadPlanner,
@@ -58,10 +57,10 @@ from lightning_zero._checkpoint.unpickling import (
     read_dcp_metadata,
 )
 
-T = TypeVar("T")
 DCP_METADATA = ".metadata"
 META_FILE = "lightning_zero.pt"
 FORMAT_VERSION = 2  # 2: with checksums.json
+
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     path = Path(path)
@@ -86,7 +85,7 @@ def _prepare(path: Path) -> Path:
     publish.recover(path)
     # Leftovers of crashed saves, reclaimed now where they are incomplete (the space of a half-written checkpoint),
     # and every one if a checkpoint is at `path`; a complete leftover with none there waits for this publish.
-    has_checkpoint = publish.readable(path) is not None
+    has_checkpoint = path.is_dir()  # `recover` moved a kept copy back, if there was one
     publish.reclaim(path, keep=lambda leftover: not has_checkpoint and is_checkpoint_dir(leftover))
     return publish.make_staging_directory(path)
 
@@ -204,33 +203,9 @@ def read_meta(
     return meta, metadata
 
 
-def read_saved_meta(path: Path, unpickling: Unpickling) -> dict[str, Any]:
-    """Our metadata file alone, checked against its recorded checksum, on this rank (not collective): what a front
-    end reads before it loads the checkpoint."""
-    _require_small_files(path)
-    return _read_meta_file(path, Record.read(path), unpickling)
-
-
 def _read_small_files(
     path: Path, ranks: Ranks, unpickling: Unpickling
 ) -> tuple[dict[str, Any], Metadata, Record | None]:
-    _require_small_files(path)
-    record = Record.read(path)
-    data = (path / DCP_METADATA).read_bytes()
-    if record is not None:
-        record.check_bytes(path, DCP_METADATA, data)
-    metadata = read_dcp_metadata(data, path / DCP_METADATA)
-    meta = _read_meta_file(path, record, unpickling)
-    if record is None and ranks.rank == 0:
-        warnings.warn(
-            f"Checkpoint {path} has no {CHECKSUM_FILE}: it was written before lightning_zero recorded checksums, so"
-            " its files load unverified.",
-            stacklevel=3,
-        )
-    return meta, metadata, record
-
-
-def _require_small_files(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")
     for name, role in ((DCP_METADATA, "DCP's index of every entry"), (META_FILE, "the rest of Lightning's checkpoint")):
@@ -239,20 +214,26 @@ def _require_small_files(path: Path) -> None:
                 f"{path} is not a complete lightning_zero checkpoint: it lacks `{name}` ({role}). HINT: copy the"
                 " whole checkpoint directory; a checkpoint this release wrote is complete wherever its path exists."
             )
-
-
-def _read_meta_file(path: Path, record: Record | None, unpickling: Unpickling) -> dict[str, Any]:
-    data = (path / META_FILE).read_bytes()
+    record = Record.read(path)
+    contents = {name: (path / name).read_bytes() for name in (DCP_METADATA, META_FILE)}
     if record is not None:
-        record.check_bytes(path, META_FILE, data)
-    meta = load_torch_file(data, f"file {path / META_FILE}", unpickling)
+        for name, data in contents.items():
+            record.check_bytes(path, name, data)
+    metadata = read_dcp_metadata(contents[DCP_METADATA], path / DCP_METADATA)
+    meta = load_torch_file(contents[META_FILE], f"file {path / META_FILE}", unpickling)
     if not isinstance(meta, dict) or not {"checkpoint", "param_groups", "sharded"} <= meta.keys():
         raise CheckpointError(f"Checkpoint file {path / META_FILE} is not lightning_zero's metadata. {DAMAGE_HINT}")
     if record is None and meta.get("format", 1) >= 2:
         raise CheckpointError(
             f"Checkpoint file {path / CHECKSUM_FILE} is missing: the checkpoint was written with it. {DAMAGE_HINT}"
         )
-    return meta
+    if record is None and ranks.rank == 0:
+        warnings.warn(
+            f"Checkpoint {path} has no {CHECKSUM_FILE}: it was written before lightning_zero recorded checksums, so"
+            " its files load unverified.",
+            stacklevel=3,
+        )
+    return meta, metadata, record
 
 
 def _check_shard_lengths(path: Path, metadata: Metadata) -> None:
@@ -265,13 +246,11 @@ def _check_shard_lengths(path: Path, metadata: Metadata) -> None:
     for relative, (end, fqn) in needed.items():
         file = path / relative
         if not file.is_file():
+            raise CheckpointError(f"Checkpoint file {file} is missing; it holds `{fqn}`. {DAMAGE_HINT}")
+        size = file.stat().st_size
+        if size < end:
             raise CheckpointError(
-                f"Checkpoint file {file} is missing; it holds `{fqn}`. HINT: copy the whole checkpoint directory."
-            )
-        if file.stat().st_size < end:
-            raise CheckpointError(
-                f"Checkpoint file {file} is truncated ({file.stat().st_size} bytes, {end} needed for `{fqn}`)."
-                " HINT: copy the whole directory again, or resume from an earlier checkpoint."
+                f"Checkpoint file {file} is truncated ({size} bytes, {end} needed for `{fqn}`). {DAMAGE_HINT}"
             )
 
 
@@ -299,7 +278,7 @@ def load(
     target: dict[str, Any], path: Path, metadata: Metadata, unpickling: Unpickling, *, no_dist: bool = False
 ) -> None:
     """Fill ``target`` (tensors and DTensors laid out for this run) in place from the checkpoint at ``path``, whose
-    ``metadata`` :func:`read_meta` returned; non-tensor entries load under ``unpickling``."""
+    ``metadata`` :func:`open_checkpoint` or :func:`read_meta` returned; non-tensor entries load under ``unpickling``."""
     reader, planner = VerifiedReader(path, metadata), RestrictedLoadPlanner(path, unpickling)
     try:
         dcp.load(target, storage_reader=reader, planner=planner, no_dist=no_dist)

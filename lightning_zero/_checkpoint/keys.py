@@ -26,7 +26,7 @@ MODEL = "model/"
 # In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
 SHARDED_KEYS = "lightning_zero_sharded_keys"
 
-Record = dict[int, dict[str, list[str]]]  # per optimizer index, per parameter name: its entries sharded like it
+ShardedEntries = dict[int, dict[str, list[str]]]  # per optimizer index, per parameter name: its entries sharded like it
 
 
 def model_key(fqn: str) -> str:
@@ -77,10 +77,10 @@ def flatten(
     model_state: dict[str, Any], optimizer_states: list[dict[str, Any]], shapes: dict[str, torch.Size]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flat state dict of a model state dict and named optimizer state dicts (see :func:`named_optimizer_state`),
-    and what goes to the directory's metadata: each optimizer's groups and the :data:`Record` of the entries sharded
-    like their parameter (``shapes``, by name)."""
+    and what goes to the directory's metadata: each optimizer's groups and, as :data:`ShardedEntries`, the entries
+    sharded like their parameter (``shapes``, by name)."""
     flat: dict[str, Any] = {model_key(fqn): value for fqn, value in model_state.items()}
-    sharded: Record = {}
+    sharded: ShardedEntries = {}
     for index, named in enumerate(optimizer_states):
         for fqn, entries in named["state"].items():
             for entry, value in entries.items():

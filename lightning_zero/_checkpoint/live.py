@@ -8,6 +8,7 @@ checkpoints (from ``"ddp"``, or consolidated) load too: each rank keeps its shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint import directory as ckpt
 from lightning_zero._checkpoint import keys
-from lightning_zero._checkpoint.directory import readable_directory as readable_directory  # for the front ends
+from lightning_zero._checkpoint.error import CheckpointError
+from lightning_zero._checkpoint.ranks import Ranks
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._engine.engine import ZeroEngine
 from lightning_zero._engine.optimizer import ZeroOptimizer
@@ -63,23 +65,29 @@ def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path) ->
     shapes = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
     model_state, optimizer_states = checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
     flat, optimizer_meta = keys.flatten(model_state, optimizer_states, shapes)
-    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, ckpt.Ranks.of_default_group())
+    ckpt.save(flat, {"checkpoint": rest, **optimizer_meta}, path, Ranks.of_default_group())
 
 
 # --- loading a checkpoint directory ----------------------------------------------------------------------------------
 
 
 def load_directory(
-    path: Path, module: nn.Module, engine: ZeroEngine | None, optimizers: list[Optimizer], weights_only: bool | None
+    path: Path,
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
+    weights_only: bool | None,
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
-    return the rest of the Lightning checkpoint. ``weights_only`` is the user's, as Lightning passes it on: what the
+    return the rest of the Lightning checkpoint. ``optimizers_for``: the optimizers to load, given that rest (a
+    Fabric checkpoint records their names). ``weights_only`` is the user's, as Lightning passes it on: what the
     pickled files may import (see :class:`~.unpickling.Unpickling`)."""
     unpickling = Unpickling.from_weights_only(weights_only)
-    meta, metadata, shard_check = ckpt.open_checkpoint(path, ckpt.Ranks.of_default_group(), unpickling)
+    meta, metadata, shard_check = ckpt.open_checkpoint(path, Ranks.of_default_group(), unpickling)
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
     # tensors, which a damaged checkpoint leaves to be discarded with the error.
     with shard_check.overlapping():
+        optimizers = optimizers_for(meta["checkpoint"])
         model_target = {keys.model_key(k): v for k, v in sharded_model_state(module, engine).items()}
         targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
         flat = dict(model_target)
@@ -104,7 +112,7 @@ def _optimizer_target(
     tensors = _optimizer_tensors(optimizer)
     sharded = meta["sharded"].get(index, {})
     if index not in meta["param_groups"]:
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"Checkpoint {path} holds no state for optimizer {index}. HINT: it was saved with fewer optimizers, or"
             " with `save_weights_only=True`; load it with `strict=False` loading or from a full checkpoint."
         )
@@ -113,7 +121,7 @@ def _optimizer_target(
     for key, fqn, name in keys.optimizer_entries(metadata.state_dict_metadata, index):
         entry = metadata.state_dict_metadata[key]
         if fqn not in by_name:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"Checkpoint {path} holds optimizer state for `{fqn}`, which optimizer {index} does not update."
                 " HINT: load it with the `configure_optimizers` it was trained with."
             )
@@ -133,7 +141,7 @@ def _indexed_state(
     position = {name: i for i, name in enumerate(_module_param_names(optimizer, module_names))}
     configured = [[module_names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     if [g["params"] for g in groups] != configured:
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"Checkpoint {path}: the parameter groups of optimizer {index} differ from the ones configured now."
             " HINT: load it with the `configure_optimizers` it was trained with."
         )

@@ -158,12 +158,21 @@ class Mode:
         return named_optimizer_state(as_set_up(optimizer), module)
 
     def load_directory(
-        self, path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: bool | None
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
+        weights_only: bool | None,
     ) -> dict[str, Any]:
-        """Load a checkpoint directory into the live module and ``optimizers`` (none when not fitting); return the
-        rest of the checkpoint. ``weights_only``: the user's, what its pickled files may import."""
+        """Load a checkpoint directory into the live module and the optimizers ``optimizers_for`` names, given what
+        the checkpoint holds beyond the states (none when not fitting); return that. ``weights_only``: the user's,
+        what its pickled files may import."""
         self.at_rest()
-        return load_directory(path, module, self.engine, [as_set_up(o) for o in optimizers], weights_only)
+
+        def set_up_for(saved: dict[str, Any]) -> list[Optimizer]:
+            return [as_set_up(o) for o in optimizers_for(saved)]
+
+        return load_directory(path, module, self.engine, set_up_for, weights_only)
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint)."""

@@ -71,4 +71,3 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
-

@@ -22,9 +22,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.directory import read_saved_meta
 from lightning_zero._checkpoint.error import CheckpointError
-from lightning_zero._checkpoint.unpickling import Unpickling
 
 RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
 _MODEL, _OPTIMIZERS, _SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
@@ -80,17 +78,15 @@ class FabricState:
         checkpoint[RECORD] = {"module": self.module_key, "optimizers": list(self.optimizers)}
         return checkpoint
 
-    def saved_optimizer_order(self, path: Path, weights_only: bool | None) -> list[str]:
-        """The names of ``state``'s optimizers in the order the checkpoint directory at ``path`` saved their states:
-        by their names in a Fabric checkpoint, as listed otherwise (a Trainer checkpoint). ``weights_only``: the
-        user's, what the checkpoint's pickled files may import."""
-        meta = read_saved_meta(path, Unpickling.from_weights_only(weights_only))
-        saved = meta["checkpoint"].get(RECORD, {}).get("optimizers")
+    def saved_optimizer_order(self, checkpoint: dict[str, Any], path: Path) -> list[str]:
+        """The names of ``state``'s optimizers in the order the checkpoint at ``path``, which holds ``checkpoint``
+        beyond the states, saved their states: by their names in a Fabric checkpoint, as listed otherwise (a Trainer
+        checkpoint). They must be the first ones saved."""
+        saved = checkpoint.get(RECORD, {}).get("optimizers")
         if saved is None:
             return list(self.optimizers)
-        missing = [k for k in self.optimizers if k not in saved]
-        order = sorted(self.optimizers, key=lambda k: saved.index(k) if k in saved else len(saved))
-        if missing or [saved.index(k) for k in order] != list(range(len(order))):
+        order = saved[: len(self.optimizers)]
+        if sorted(order) != sorted(self.optimizers):
             raise CheckpointError(
                 f"Checkpoint {path} holds the optimizers {saved}; the state to load names {self.optimizers}."
                 " HINT: load with the names the checkpoint was saved with (the first ones, in order)."

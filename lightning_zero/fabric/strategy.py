@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_zero._checkpoint.live import readable_directory, save_directory
+from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
@@ -203,9 +204,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         source = Path(self.broadcast(str(path)))
         directory = readable_directory(source)
         if directory is not None:
-            saved = parts.saved_optimizer_order(directory, weights_only)
-            optimizers = [state[k] for k in saved]
-            checkpoint = self.mode.load_directory(directory, module, optimizers, weights_only)
+
+            def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
+                return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
+
+            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
             self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)

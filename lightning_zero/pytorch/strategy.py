@@ -3,7 +3,6 @@ mode (:mod:`lightning_zero._core.mode`), which does the ZeRO work for the stage 
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -28,7 +27,9 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero._checkpoint.live import readable_directory, save_directory
+from lightning_zero._checkpoint import publish
+from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ModuleOption, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
@@ -319,11 +320,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint at ``filepath``; a link there is removed, never what it points to."""
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.is_symlink() or path.exists():
-                path.unlink()
+            publish.remove(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -335,7 +332,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
-        return self.mode.load_directory(directory, self.lightning_module, optimizers, weights_only)
+        return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
