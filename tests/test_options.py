@@ -75,7 +75,7 @@ def test_names_are_registered_on_import(front_end: str, name: str) -> None:
     entry = registry[name]
     expected = getattr(importlib.import_module(module), f"Zero{stage}Strategy")
     assert entry["strategy"] is expected and entry["init_params"] == options
-    assert expected.default_stage == stage
+    assert expected.fixed_stage == stage
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lightning_zero._core.precision import take_over_scaler
+from lightning_zero.pytorch.precision import zero_aware
 from tests.oracle import BY_PRECISION, MASTER_WEIGHTS, close, shard_numels
 from tests.scenarios import Scenario, StrategySpec, run_scenarios
 from tests.workers.modules import Classifier
@@ -117,3 +120,12 @@ def test_checkpoint_keeps_the_fp32_masters(results: list[dict[Any, Any]]) -> Non
             assert torch.equal(before, after)
         for key, value in saved["state_dict"].items():
             assert torch.equal(restored["state_dict"][key], value), key
+
+
+def test_the_engine_of_every_fit_scales_once_it_took_the_grad_scaler() -> None:
+    """`"16-mixed"` on a GPU: the first engine takes the plugin's `GradScaler` (it would see only this rank's shards);
+    a later `fit` (a resume) builds another engine, which must scale too though the plugin has no scaler left."""
+    plugin = zero_aware(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+    assert take_over_scaler(plugin) and plugin.scaler is None
+    assert take_over_scaler(plugin)
+    assert not take_over_scaler(zero_aware(MixedPrecision("bf16-mixed", "cpu")))

@@ -37,7 +37,6 @@ class EngineMode(Mode):
             reducer = reducer_for(self.config.stage)
             self.engine = ZeroEngine(module, reducer, self._mesh(), self.config.bucket_bytes, dtypes)
             precision.zero_loss_scaler = self.engine.scaler
-            self._buffers_due = True
         return [self.engine.shard_optimizer(optimizer) for optimizer in optimizers]
 
     @property
@@ -73,7 +72,7 @@ class EngineMode(Mode):
         if isinstance(optimizer, ZeroOptimizer):
             load_full_optimizer_state(optimizer, state_dict)
         else:
-            optimizer.load_state_dict(state_dict)
+            super()._load_full_optimizer_state(optimizer, state_dict)
 
     def teardown(self) -> None:
         """Detached, not dropped: a checkpoint saved after training still writes each rank's shards only."""

@@ -16,6 +16,7 @@ from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.report import log_info, memory_report
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 Strategy = TypeVar("Strategy", bound=type)
@@ -25,7 +26,7 @@ class ZeroFrontEnd:
     """Placed before each front end's Lightning ``DDPStrategy`` (whose attributes it uses): the ZeRO options
     (``config``), the mode they choose, and the steps both front ends take alike."""
 
-    default_stage: ClassVar[Stage] = Stage.GRADIENTS  # the stage of ``ZeroStrategy``; ``Zero{N}Strategy`` fix theirs
+    fixed_stage: ClassVar[Stage | None] = None  # the stage a ``Zero{N}Strategy`` runs; ``ZeroStrategy`` takes ``stage``
     config: ZeroConfig
     _mode: Mode | None = None
     _report_due = False  # whether the next optimizer step is the first of a run, which logs the memory report
@@ -48,6 +49,13 @@ class ZeroFrontEnd:
         if self._mode is None:
             self._mode = choose_mode(self.config, self.num_nodes * self.num_processes, self.num_processes)
         return self._mode
+
+    def _refuse_storage_options(self, storage_options: Any | None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} writes sharded checkpoint directories itself and takes no `storage_options`."
+                " HINT: drop `storage_options`; use `lightning_zero.consolidate_checkpoint` for a single file."
+            )
 
     def _get_process_group_backend(self) -> str:
         if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
@@ -102,7 +110,7 @@ def with_fixed_stages(base: Strategy) -> tuple[Strategy, Strategy, Strategy]:
     classes = []
     for stage, summary in summaries.items():
         name = f"Zero{int(stage)}Strategy"
-        attributes = {"default_stage": stage, "__doc__": summary, "__module__": base.__module__, "__qualname__": name}
+        attributes = {"fixed_stage": stage, "__doc__": summary, "__module__": base.__module__, "__qualname__": name}
         classes.append(type(name, (base,), attributes))
     return tuple(classes)  # type: ignore[return-value]
 
@@ -111,7 +119,7 @@ def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]
     """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and ``"zero3_offload"`` for a front end's
     ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
     for strategy in classes:
-        stage = int(strategy.default_stage)
+        stage = int(strategy.fixed_stage)
         registry.register(
             f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {strategy.__doc__}", override=True
         )
@@ -121,5 +129,5 @@ def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]
         ("zero2_offload", zero2, offloaded, "optimizer state and step"),
         ("zero3_offload", zero3, {**offloaded, "offload_parameters": True}, "shards, optimizer and step"),
     ):
-        description = f"ZeRO stage {int(strategy.default_stage)} with {where} in host memory"
+        description = f"ZeRO stage {int(strategy.fixed_stage)} with {where} in host memory"
         registry.register(name, strategy, description=description, override=True, **options)

@@ -66,7 +66,7 @@ class FullyShardMode(Mode):
         sync_from_rank_zero(module, mesh.world, skip=meta)  # meta ones are drawn from rank 0's generator
         units = choose_units(module, self.config.auto_wrap_policy)
         precision = precision_policy(self.config, module)
-        if precision is not None and precision.param_dtype is not None:
+        if self.config.master_weights:  # the policy gathers them in bf16
             masters_in_fp32(module)
         offload = offload_policy(self.config, self.device)
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)

@@ -10,9 +10,10 @@ Vocabulary:
 - **front end**: the Trainer strategy (:mod:`lightning_zero.pytorch`) or the Fabric strategy
   (:mod:`lightning_zero.fabric`). It turns Lightning's hooks into the calls below, in the order they come:
   ``init_context`` around the module's construction; ``setup_module``; ``setup_optimizers``; then for each step
-  ``before_step``, ``run_step``, ``no_sync`` around the backward passes of an accumulation window but the last,
-  ``check_loss``, ``after_backward`` and ``optimizer_step``; ``at_rest`` when a loop ends; the state calls for
-  checkpoints; ``teardown``.
+  ``before_step`` (Fabric: before every forward), ``run_step`` (Trainer only), ``no_sync`` around the backward passes
+  of an accumulation window but the last, ``check_loss``, ``after_backward`` and ``optimizer_step``;
+  ``before_evaluation`` before an evaluation loop and ``at_rest`` when a loop ends (Trainer only); the state calls
+  for checkpoints; ``settle_after_failure`` after an exception (Trainer only); ``teardown``.
 - **at rest**: the module holds exactly what the optimizers update (stage 3's gathered units freed), which is what
   checkpoints name.
 """

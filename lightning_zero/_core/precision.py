@@ -26,6 +26,7 @@ class ZeroPrecisionMixin:
     loss is multiplied by the engine's scale when the engine scales it."""
 
     zero_loss_scaler: LossScaler | None = None  # set when the engine scales the loss (fp16 gradients in shards)
+    zero_took_scaler = False  # whether the engine took this plugin's GradScaler: every later engine scales too
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         if isinstance(optimizer, ZeroOptimizer):
@@ -80,10 +81,11 @@ def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
     return plugin
 
 
-def take_over_scaler(plugin: object) -> bool:
+def take_over_scaler(plugin: ZeroPrecisionMixin) -> bool:
     """Take a mixed-precision plugin's ``GradScaler`` away (``"16-mixed"`` on a GPU): it would look only at this
-    rank's gradient shards for overflows, so the engine scales the loss instead. Returns whether it had one."""
-    if getattr(plugin, "scaler", None) is None:
-        return False
-    plugin.scaler = None  # type: ignore[attr-defined]
-    return True
+    rank's gradient shards for overflows, so the engine scales the loss instead. Returns whether the engine scales in
+    its place: also for the engine of a later ``fit``, which finds the scaler taken already."""
+    if getattr(plugin, "scaler", None) is not None:
+        plugin.scaler = None  # type: ignore[attr-defined]
+        plugin.zero_took_scaler = True
+    return plugin.zero_took_scaler

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from lightning_zero._engine.optimizer import ZeroOptimizer
+from lightning_zero._engine.optimizer import unwrap
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
 from lightning_zero.memory import ModelStateBytes, communication_bytes, measure
 
@@ -108,7 +108,7 @@ def optimizer_kind(optimizers: Iterable[Optimizer]) -> str | None:
     """The :data:`lightning_zero.estimate.OPTIMIZER_STATES` key of ``optimizers`` when all are of one known kind."""
     kinds = set()
     for optimizer in optimizers:
-        inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
+        inner = unwrap(optimizer)
         groups = inner.param_groups
         if isinstance(inner, (Adam, AdamW)) and not any(g.get("amsgrad") for g in groups):
             kinds.add("adam")

@@ -68,7 +68,6 @@ class ShardedModule:
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self._module = weakref.ref(module)
-        self.mesh = mesh
         self.group: ProcessGroup = mesh.world  # every data-parallel rank: replicated gradients average over them
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         policies = {
@@ -160,8 +159,9 @@ class ShardedModule:
                         flat[len(same) + i] = 1
                 comm.all_reduce_sum(flat, self.group).wait()
                 flat[: len(same)] /= self.group.size()
+                present = flat[len(same) :].tolist()  # one read of the flags, not one device sync per parameter
                 for i, param in enumerate(same):
-                    if flat[len(same) + i] > 0:
+                    if present[i] > 0:
                         param.grad = flat[i].clone()
 
     def reshard(self) -> None:

@@ -30,7 +30,6 @@ from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
-from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState
 
@@ -69,7 +68,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         known = ZeroConfig.option_names()
         self.config = ZeroConfig.for_strategy(
             type(self).__name__,
-            self.default_stage if type(self) is not ZeroStrategy else None,
+            self.fixed_stage,
             {k: v for k, v in options.items() if k not in known},
             peer="lightning.fabric.strategies.DDPStrategy",
             stage=stage,
@@ -85,7 +84,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     @property
     @override
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else zero_aware(Precision())
+        if self._precision is None:  # kept: the mode gives this plugin the engine's loss scaler
+            self._precision = zero_aware(Precision())
+        return self._precision
 
     @precision.setter
     @override
@@ -94,8 +95,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta device
-        and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
+        """When stage 3 shards the module: parameters of modules with ``reset_parameters()`` are created on the meta
+        device and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
         stack = ExitStack()
         stack.enter_context(super().module_init_context(empty_init))
         stack.enter_context(self.mode.init_context(empty_init is not False))
@@ -115,6 +116,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if self._module is not None and module is not self._module:
+            raise RuntimeError(
+                f"{type(self).__name__} shards one module, and `{type(self._module).__name__}` is set up already."
+                " HINT: put the modules you train together in one `nn.Module` and set that up once."
+            )
         self.mode.setup_module(module, self.root_device)
         self._module = module
         self._hooks.append(module.register_forward_pre_hook(self._before_forward))
@@ -135,13 +141,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """As Fabric's, except that the loss the precision plugin scales (the engine's loss scaling) is the one
-        that goes backward."""
+        """Fabric's backward (the precision plugin applies the engine's loss scale), then what the mode does after
+        it."""
         self.mode.check_loss(tensor)
-        self.precision.pre_backward(tensor, module)
-        tensor = self.precision.scaled_loss(tensor)  # type: ignore[attr-defined]
-        self.precision.backward(tensor, module, *args, **kwargs)
-        self.precision.post_backward(tensor, module)
+        super().backward(tensor, module, *args, **kwargs)
         self.mode.after_backward()
 
     @override
@@ -161,11 +164,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> None:
         """Every rank writes its own shards into the directory ``path``, published atomically when complete: the same
         directory the Trainer writes, which either front end resumes from, at any world size and stage."""
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__} writes sharded checkpoint directories itself and takes no `storage_options`."
-                " HINT: drop `storage_options`; use `lightning_zero.consolidate_checkpoint` for a single file."
-            )
+        self._refuse_storage_options(storage_options)
         parts = FabricState.of(state)
         module = parts.module(state)
         checkpoint = parts.to_checkpoint(

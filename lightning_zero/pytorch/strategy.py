@@ -32,7 +32,6 @@ from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ModuleOption, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
-from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -43,7 +42,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     Stage 1 shards optimizer state across ranks; stage 2 also shards gradients. Outside the optimizer step every
     rank holds full, current parameters, as under DDP. Stage 3 also shards the parameters (torch's ``fully_shard``):
     every rank holds only its rows of each, and a unit's parameters are gathered just for its forward and backward.
-    On a single device every stage trains plainly, with no collectives.
+    On a single device every stage trains plainly, with no collectives, unless it offloads (or
+    ``sharded_on_one_device`` asks for the sharded path, for testing).
 
     Args:
         stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
@@ -110,7 +110,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> None:
         self.config = ZeroConfig.for_strategy(
             type(self).__name__,
-            self.default_stage if type(self) is not ZeroStrategy else None,
+            self.fixed_stage,
             unknown,
             peer="DDPStrategy",
             stage=stage,
@@ -256,17 +256,17 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         super().on_validation_start()
         trainer = self._trainer()
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self.mode.before_evaluation([float(c) for c in counts], "validation")
+        self.mode.before_evaluation(counts, "validation")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self.mode.before_evaluation([float(c) for c in self._trainer().num_test_batches], "test")
+        self.mode.before_evaluation(self._trainer().num_test_batches, "test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self.mode.before_evaluation([float(c) for c in self._trainer().num_predict_batches], "predict")
+        self.mode.before_evaluation(self._trainer().num_predict_batches, "predict")
 
     def _trainer(self) -> Trainer:
         assert self.lightning_module is not None
@@ -307,11 +307,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Every rank writes its own shards into the directory ``filepath``, published atomically when complete."""
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__} writes sharded checkpoint directories itself and takes no `storage_options`."
-                " HINT: drop `storage_options`; use `lightning_zero.consolidate_checkpoint` for a single file."
-            )
+        self._refuse_storage_options(storage_options)
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
         save_directory(checkpoint, self.lightning_module, path)
@@ -352,7 +348,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Stage 3 on several ranks: parameters of modules with ``reset_parameters()`` are created on the meta
+        """When stage 3 shards the module: parameters of modules with ``reset_parameters()`` are created on the meta
         device, and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
         with super().tensor_init_context(empty_init), self.mode.init_context(empty_init is not False):
             yield
