@@ -219,3 +219,14 @@ def test_master_weights_need_several_ranks() -> None:
                          precision="bf16-true", max_steps=1, logger=False)
     with pytest.raises(ValueError, match=r"this run has one.*HINT: .*bf16-mixed"):
         trainer.fit(Classifier())
+
+
+@pytest.mark.parametrize("front_end", list(FRONT_ENDS))
+def test_a_subclass_of_zero_strategy_takes_any_stage(front_end: str) -> None:
+    """Only the `Zero{N}Strategy` classes fix the stage; a user's own subclass of `ZeroStrategy` takes `stage`."""
+    base = importlib.import_module(FRONT_ENDS[front_end][1]).ZeroStrategy
+
+    class Mine(base):  # type: ignore[misc, valid-type]
+        pass
+
+    assert [int(Mine(stage=stage).stage) for stage in (1, 2, 3)] == [1, 2, 3]
