@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 # O_TMPFILE where the filesystem lacks it: EOPNOTSUPP, or EISDIR from kernels that predate it (O_DIRECTORY is in it)
-NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
 
 
 def reserved_mapping(path: Path, size: int) -> mmap.mmap:
@@ -43,16 +43,26 @@ def nameless_mapping(directory: Path, size: int) -> mmap.mmap:
 def nameless_file(directory: Path) -> int:
     """A descriptor of a new, empty file on ``directory``'s filesystem that has no name: ``O_TMPFILE``, or where the
     filesystem lacks it a file unlinked right after it is created (only a kill in between leaves it, empty)."""
-    flags = getattr(os, "O_TMPFILE", 0)
-    if flags:
-        try:
-            return os.open(directory, flags | os.O_RDWR, 0o600)
-        except OSError as error:
-            if error.errno not in NO_TMPFILE:
-                raise
+    fd = tmpfile(directory, os.O_RDWR, 0o600)
+    if fd is not None:
+        return fd
     fd, name = tempfile.mkstemp(dir=directory, prefix=".lightning_zero-")
     os.unlink(name)
     return fd
+
+
+def tmpfile(directory: Path, flags: int, mode: int) -> int | None:
+    """A descriptor of a new file on ``directory``'s filesystem that has no name (``O_TMPFILE``, opened with
+    ``flags``); ``None`` where the system or the filesystem lacks ``O_TMPFILE``."""
+    tmpfile_flag = getattr(os, "O_TMPFILE", 0)
+    if not tmpfile_flag:
+        return None
+    try:
+        return os.open(directory, tmpfile_flag | flags, mode)
+    except OSError as error:
+        if error.errno not in _NO_TMPFILE:
+            raise
+        return None
 
 
 def _map_reserved(fd: int, size: int) -> mmap.mmap:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from lightning_zero._files import NO_TMPFILE
+from lightning_zero._files import tmpfile
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -263,11 +263,8 @@ def publish_file(output: Path, write: Callable[[BinaryIO], None]) -> None:
 def _link_nameless(output: Path, write: Callable[[BinaryIO], None]) -> Path | None:
     """Write a nameless file beside ``output``, sync it and give it a new random name; None where the filesystem (or
     the system: no ``/proc``) cannot."""
-    try:
-        fd = os.open(output.parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666)
-    except (AttributeError, OSError) as error:  # no O_TMPFILE here
-        if isinstance(error, OSError) and error.errno not in NO_TMPFILE:
-            raise
+    fd = tmpfile(output.parent, os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    if fd is None:
         return None
     with os.fdopen(fd, "wb") as file:
         write(file)

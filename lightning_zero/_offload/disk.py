@@ -18,8 +18,9 @@ class DiskState:
     """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory. A file's
-    space returns to the disk once nothing maps it: when its tensor is freed, or when the process ends.
+    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory. The files
+    stay mapped while this object lives (state a checkpoint replaced included); their space returns to the disk once
+    it and the state's tensors are dropped at teardown, or when the process ends, however it ends.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -27,10 +28,6 @@ class DiskState:
         self._maps: list[mmap.mmap] = []
         self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
         self._bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
 
     def adopt(self, optimizer: Optimizer) -> None:
         for state in optimizer.state.values():

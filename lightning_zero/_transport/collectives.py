@@ -30,11 +30,11 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     TRAFFIC.record("all_reduce", buffer.nbytes, group)
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
+        if not _point_to_point(group):
+            return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
         shared = _shared(buffer, group)
         if shared is not None:
             return shared.all_reduce_sum(buffer)
-        if not _point_to_point(group):
-            return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
         with _naming_peers(group):
             return Exchange([dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)], group)
 
@@ -63,16 +63,14 @@ class Chained:
     """Collectives run one after another: the first is in flight already, each next one starts once the one before it
     is waited for (its input is that one's output)."""
 
-    def __init__(self, first: Pending, rest: list[Callable[[], Pending | None]]) -> None:
+    def __init__(self, first: Pending, rest: list[Callable[[], Pending]]) -> None:
         self._first = first
         self._rest = rest
 
     def wait(self) -> bool:
         self._first.wait()
         for start in self._rest:
-            pending = start()
-            if pending is not None:
-                pending.wait()
+            start().wait()
         self._rest = []
         return True
 
@@ -90,7 +88,8 @@ def _point_to_point(group: ProcessGroup) -> bool:
 
 
 def _shared(tensor: torch.Tensor, group: ProcessGroup) -> shared_memory.Channel | None:
-    if tensor.device.type != "cpu" or group.size() == 1 or not _point_to_point(group):
+    """The shared-memory channel of ``group``, a gloo group, for ``tensor``: where its ranks share a host."""
+    if tensor.device.type != "cpu" or group.size() == 1:
         return None
     return shared_memory.channel(group)
 
@@ -155,14 +154,14 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             return Exchange(dist.batch_isend_irecv(ops), group)
 
 
-def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup, src: int = 0) -> None:
-    """Broadcast ``tensors`` from group rank ``src`` in place, one flat message per dtype."""
+def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup) -> None:
+    """Broadcast ``tensors`` from the group's rank 0 in place, one flat message per dtype."""
     by_dtype = group_by(tensors, lambda t: t.dtype)
     TRAFFIC.record("broadcast", sum(t.nbytes for t in tensors), group)
     with torch.profiler.record_function("lightning_zero::broadcast_buffers"):
         for same_dtype in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in same_dtype])
-            dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
             parts = flat.split([t.numel() for t in same_dtype])
             torch._foreach_copy_(same_dtype, [part.view_as(t) for part, t in zip(parts, same_dtype, strict=True)])
 

@@ -34,7 +34,7 @@ def install(
 ) -> None:
     """Give every ``fully_shard``-ed module of a gloo group this package's collectives (where torch lets them be
     replaced), with a gather ring sized for the largest unit when the ranks share a host. With ``replicas`` (hybrid
-    sharding: ``group`` is one shard group), each unit's reduced gradient shards are then summed across the groups."""
+    sharding: ``group`` is one shard group), each unit's reduced gradient shards are then averaged across the groups."""
     if replicas is not None:
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)

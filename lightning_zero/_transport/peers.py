@@ -11,7 +11,7 @@ collectives), reported once the timeout has passed; or it *exited*, reported as 
 A timeout in one of torch's own collectives can be *swallowed* by its caller: Lightning broadcasts a SIGTERM flag at
 the start of every training step and ignores that broadcast's errors. Gloo then fails its next collective with that
 peer at once (it closed the connection), but the shared-memory channel would wait a second timeout. So the timeouts of
-torch's collectives are *witnessed* here (:func:`timed_out_since`), from the record torch keeps of every collective
+torch's collectives are *witnessed* here (:func:`timeouts_witnessed`), from the record torch keeps of every collective
 that raised, and the channel reports a stalled peer at once after one.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,12 +42,14 @@ class _TimeoutWitness(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.last: tuple[float, str] | None = None  # (time.monotonic() when seen, "<collective>: <error>")
+        self.count = 0  # timeouts seen so far
+        self.last = ""  # the last one: "`<collective>`: <error>"
 
     def emit(self, record: logging.LogRecord) -> None:
         entry = record.msg
         if isinstance(entry, dict) and _GLOO_TIMED_OUT.search(str(entry.get("error", ""))):
-            self.last = (time.monotonic(), f"`{entry.get('func_name')}`: {entry['error']}")
+            self.count += 1
+            self.last = f"`{entry.get('func_name')}`: {entry['error']}"
 
 
 _WITNESS = _TimeoutWitness()
@@ -63,11 +64,15 @@ def witness_timeouts() -> None:
         logger.addHandler(_WITNESS)
 
 
-def timed_out_since(moment: float) -> str | None:
-    """The collective of torch, and its error, that timed out in this process after ``moment`` (``time.monotonic()``),
-    if one did."""
-    last = _WITNESS.last
-    return last[1] if last is not None and last[0] > moment else None
+def timeouts_witnessed() -> int:
+    """How many of torch's collectives have timed out in this process so far (compare two counts to tell whether one
+    did in between)."""
+    return _WITNESS.count
+
+
+def last_timeout() -> str:
+    """The last of torch's collectives that timed out in this process, and its error."""
+    return _WITNESS.last
 
 
 def group_timeout(group: ProcessGroup) -> timedelta:

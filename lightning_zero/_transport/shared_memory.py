@@ -119,8 +119,9 @@ class Channel:
         # per rank, per slot: 1D uint8 views of the segments
         self._slots = [[torch.frombuffer(m, dtype=torch.uint8, count=SLOT_BYTES, offset=s * SLOT_BYTES) for s in (0, 1)]
                        for m in maps]
-        self._inboxes = inboxes  # read ends of the FIFOs from each peer, in rank order
-        self._outboxes = outboxes  # write ends of the FIFOs to each peer
+        self._peer_ranks = [rank for rank in range(self.size) if rank != self.rank]
+        self._inbox_peers = dict(zip(inboxes, self._peer_ranks, strict=True))  # read end of a FIFO -> who writes it
+        self._outboxes = outboxes  # write ends of the FIFOs to each peer, in rank order
         # per peer rank, the process that created its files, where it can be watched (this PID namespace)
         self._watched = _watchable(prefixes, self.rank)
         self._pids = {rank: creator.pid for rank, creator in self._watched.items()}
@@ -132,15 +133,15 @@ class Channel:
         self._ring_free = 0  # bit i: ring buffer i released by every rank, as of the last barrier
         # the error that ended the channel: a peer stalled or exited, and the FIFOs' byte order is lost with it
         self._broken: peers.PeerError | None = None
-        self._settled = time.monotonic()  # when every peer last arrived (a barrier completed)
         peers.witness_timeouts()
+        self._timeouts_seen = peers.timeouts_witnessed()  # as of the last barrier every peer arrived at
 
     @classmethod
-    def open(cls, group: ProcessGroup, timeout: timedelta | None = None) -> Channel | None:
+    def open(cls, group: ProcessGroup) -> Channel | None:
         """Collective over ``group``: every rank creates its segment and its FIFOs from each peer, then maps everyone's
         segment and opens its FIFOs to each peer. The files are unlinked as soon as all ranks hold them (or opening
         fails), so nothing is left in ``/dev/shm`` whatever happens later. Collectives then wait for a peer as long as
-        ``timeout``, by default the group's own."""
+        the group's own timeout."""
         me, size = group.rank(), group.size()
         peer_ranks = [rank for rank in range(size) if rank != me]
         created: list[Path] = []
@@ -171,8 +172,7 @@ class Channel:
                     os.close(fd)
         if not agreed or own is None:
             return None
-        timeout = peers.group_timeout(group) if timeout is None else timeout
-        return cls(group, maps, own[2], outboxes, prefixes, timeout)  # type: ignore[arg-type]
+        return cls(group, maps, own[2], outboxes, prefixes, peers.group_timeout(group))  # type: ignore[arg-type]
 
     def open_gather_ring(self, buffer_bytes: int) -> bool:
         """Collective: rank 0 creates the stage-3 gather ring of ``RING_SIZE`` buffers of ``buffer_bytes``, every rank
@@ -233,9 +233,9 @@ class Channel:
 
     def close(self) -> None:
         self._slots, self._slot_views, self._ring = [], {}, None
-        for fd in (*self._inboxes, *self._outboxes):
+        for fd in (*self._inbox_peers, *self._outboxes):
             os.close(fd)
-        self._inboxes, self._outboxes = [], []
+        self._inbox_peers, self._outboxes = {}, []
 
     def _start(self, pieces: Generator[None, None, None]) -> InFlight:
         self._finish_in_flight()
@@ -289,17 +289,17 @@ class Channel:
         return self._slot_views[key]
 
     def _peers(self) -> list[int]:
-        return [rank for rank in range(self.size) if rank != self.rank]
+        return self._peer_ranks
 
     def _barrier(self) -> Generator[None, None, None]:
         """Send this rank's status byte to every peer, pause (the caller goes on after a collective's first piece),
         then read every peer's; the ring buffers every rank has released are those of all the bytes."""
         if self._broken is not None:  # report it again at once: waiting another timeout would tell nothing new
             raise self._broken.with_traceback(None)
-        earlier = peers.timed_out_since(self._settled)
-        if earlier is not None:  # this rank already waited a timeout for a peer since they last met
+        if peers.timeouts_witnessed() != self._timeouts_seen:  # this rank already waited a timeout since they met
             missing = peers.ranks(self._peers(), self._pids, one_of=True)
-            self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, list(self._pids.values()), earlier))
+            pids = list(self._pids.values())
+            self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, pids, peers.last_timeout()))
         status = self._ring.released() if self._ring is not None else 0
         message = bytes([status])
         for fd, rank in zip(self._outboxes, self._peers(), strict=True):
@@ -313,21 +313,25 @@ class Channel:
         for byte in self._read_peers():
             status &= byte
         self._ring_free = status
-        self._settled = time.monotonic()
+        self._timeouts_seen = peers.timeouts_witnessed()
 
     def _read_peers(self) -> list[int]:
         """One byte from each peer's FIFO, waiting as long as the timeout while the peers are alive."""
-        waiting = dict(zip(self._inboxes, self._peers(), strict=True))  # FIFO -> the peer rank that writes it
+        waiting = dict(self._inbox_peers)
         received = []
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        timeout = self._timeout.total_seconds()
+        deadline: float | None = None  # known once a first wait comes back empty: the common case never asks the clock
         while waiting:
-            left = deadline - time.monotonic()
+            left = timeout if deadline is None else deadline - time.monotonic()
             ready, _, _ = select.select(list(waiting), [], [], min(_POLL_SECONDS, max(left, 0.0)))
             for fd in ready:
                 received.append(os.read(fd, 1)[0])
                 del waiting[fd]
             if ready:
                 continue
+            if deadline is None:  # that wait took min(_POLL_SECONDS, timeout) of it
+                deadline = time.monotonic() + timeout - min(_POLL_SECONDS, timeout)
+                left = deadline - time.monotonic()
             for rank in waiting.values():
                 if rank in self._watched and self._watched[rank].is_dead():
                     self._break(peers.exited(_WHERE, self.rank, rank, self._pids))

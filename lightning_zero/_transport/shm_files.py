@@ -73,29 +73,25 @@ def new_prefix() -> str:
     return f"{DIRECTORY}/{PREFIX}{creator.namespace}-{creator.pid}-{creator.start}-{token}"
 
 
-def reclaim() -> list[Path]:
-    """Unlink the entries of ``/dev/shm`` that this user's dead processes of this PID namespace left; the paths
-    removed. Safe beside live runs: their creators are alive, so nothing of theirs is touched."""
+def reclaim() -> None:
+    """Unlink the entries of ``/dev/shm`` that this user's dead processes of this PID namespace left. Safe beside live
+    runs: their creators are alive, so nothing of theirs is touched."""
     me = Creator.this_process()
     if me is None:
-        return []
-    removed = []
+        return
     try:
         entries = list(os.scandir(DIRECTORY))
     except OSError:
-        return []
+        return
     for entry in entries:
         creator = Creator.of(entry.name)
         if creator is None or creator.namespace != me.namespace:
             continue
         try:
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not creator.is_dead():
-                continue
-            os.unlink(entry.path)
+            if entry.stat(follow_symlinks=False).st_uid == os.getuid() and creator.is_dead():
+                os.unlink(entry.path)
         except OSError:  # another run reclaimed it first
             continue
-        removed.append(Path(entry.path))
-    return removed
 
 
 def _start_time(pid: int) -> int:

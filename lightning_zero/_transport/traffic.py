@@ -19,33 +19,32 @@ from torch.distributed import ProcessGroup
 
 @dataclass
 class Traffic:
-    """Bytes and calls per collective kind since the last ``reset``."""
+    """Bytes per collective kind since the last ``reset``."""
 
     bytes: Counter[str] = field(default_factory=Counter)
-    calls: Counter[str] = field(default_factory=Counter)
-    across_nodes: Counter[str] = field(default_factory=Counter)  # sent to ranks on other nodes
+    across_nodes: Counter[str] = field(default_factory=Counter)  # sent to ranks on other nodes; kinds that sent any
     ranks_per_node: int = 0  # set when a run starts; 0: unknown, nothing counted as crossing
-    _elsewhere: dict[ProcessGroup, tuple[int, int]] = field(default_factory=dict)  # group -> (size, peers elsewhere)
+    # (group, ranks per node) -> (group size, peers on other nodes)
+    _elsewhere: dict[tuple[ProcessGroup, int], tuple[int, int]] = field(default_factory=dict)
 
     def record(self, kind: str, nbytes: int, group: ProcessGroup) -> None:
         self.bytes[kind] += nbytes
-        self.calls[kind] += 1
         if self.ranks_per_node and kind != "broadcast":
             size, elsewhere = self._placement(group)
-            per_peer = nbytes // size * (2 if kind == "all_reduce" else 1)
-            self.across_nodes[kind] += per_peer * elsewhere
+            if elsewhere:
+                self.across_nodes[kind] += nbytes // size * (2 if kind == "all_reduce" else 1) * elsewhere
 
     def reset(self) -> None:
         self.bytes.clear()
-        self.calls.clear()
         self.across_nodes.clear()
 
     def _placement(self, group: ProcessGroup) -> tuple[int, int]:
-        if group not in self._elsewhere:
+        key = (group, self.ranks_per_node)
+        if key not in self._elsewhere:
             node = dist.get_rank() // self.ranks_per_node
             members = dist.get_process_group_ranks(group)
-            self._elsewhere[group] = (len(members), sum(r // self.ranks_per_node != node for r in members))
-        return self._elsewhere[group]
+            self._elsewhere[key] = (len(members), sum(r // self.ranks_per_node != node for r in members))
+        return self._elsewhere[key]
 
 
 TRAFFIC = Traffic()  # this process's, for every group

@@ -140,7 +140,9 @@ def check_peer_exit(group: dist.ProcessGroup, passed: list[str]) -> None:
 
 
 def check_timeout(group: dist.ProcessGroup, passed: list[str]) -> None:
-    channel = shared_memory.Channel.open(group, timeout=timedelta(seconds=2))
+    # the channel waits as long as its group does: a group of the same ranks with a 2 s timeout
+    waiting = dist.new_group(dist.get_process_group_ranks(group), timeout=timedelta(seconds=2))
+    channel = shared_memory.Channel.open(waiting)
     assert channel is not None
     if group.rank() == 1:
         time.sleep(4)
