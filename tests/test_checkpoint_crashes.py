@@ -34,6 +34,8 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launch(WORKER, ["kill_during_publish", str(out)], world_size=1)
     signals = json.loads((out / "signals.json").read_text())
     assert signals == {f"{swap}/{step}": signal.SIGKILL for swap, step in CASES}  # each died there, of nothing else
+    refused = [(swap, step) for swap, step in CASES if (case_target(out, swap, step).parents[1] / "refused").exists()]
+    assert refused == [(swap, step) for swap, step in CASES if swap == "two_renames"]  # the swap was refused there
     return out
 
 

@@ -150,6 +150,7 @@ def test_code_planted_in_dcp_metadata_never_runs(copy: Path, tmp_path: Path, ent
     with pytest.raises(CheckpointError, match=r"\.metadata refers to `pathlib\.Path\.touch`, which DCP's metadata"):
         ENTRY_POINTS[entry_point](copy, tmp_path)
     assert not marker.exists()
+    assert not (tmp_path / "out.ckpt").exists()
 
 
 def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> None:
@@ -296,7 +297,7 @@ def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) 
     launch(WORKER, ["resume_each", str(tmp_path), json.dumps([str(p) for p in copies])], world_size=2)
     errors = [json.loads((tmp_path / f"errors-rank{rank}.json").read_text()) for rank in range(2)]
     assert errors[0] == errors[1]
-    for case, copy_ in zip(RESUMED_DAMAGE, copies, strict=False):
+    for case, copy_ in zip(RESUMED_DAMAGE, copies[:-1], strict=True):
         assert errors[0][str(copy_)] is not None, case
         assert re.search(DAMAGE[case][2] + r".*HINT: ", errors[0][str(copy_)]), case
     assert errors[0][str(copies[-1])] is None

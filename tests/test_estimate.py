@@ -201,13 +201,14 @@ def test_estimate_matches_measured_bytes(
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
-def report_rows(report: str) -> dict[str, tuple[float, float, str]]:
+def report_rows(report: str, names: tuple[str, ...] = CATEGORIES) -> dict[str, tuple[float, float, str]]:
     """``| optimizer state | 533.1 KiB | 532.0 KiB |`` -> ``{"optimizer_state": (545894.4, 51.2, "532.0 KiB")}``: the
-    measured bytes as printed, how far printing to one decimal may have moved them, and the estimate as printed."""
+    measured bytes as printed, how far printing to one decimal may have moved them, and the estimate as printed, for
+    the rows of ``names``."""
     rows = {}
     for line in report.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 3 and cells[0].replace(" ", "_") in CATEGORIES:
+        if len(cells) == 3 and cells[0].replace(" ", "_") in names:
             value, unit = cells[1].split()
             rounding = 0 if unit == "B" else 0.05 * _UNITS[unit]
             rows[cells[0].replace(" ", "_")] = (float(value) * _UNITS[unit], rounding, cells[2])
@@ -236,17 +237,13 @@ def test_memory_report_logged_after_the_first_step(
     assert [per_rank[(scenario, strategy.label)]["memory_reports"] for per_rank in measured[1:]] == [[]]
     # what the process holds for communication (shared-memory segments of 2 CPU ranks, the engine's buffers) is a
     # row of its own, not model state, and the last row adds it to the model state
-    (communication, held) = (printed_bytes(report, row) for row in ("communication buffers", "held in all"))
-    total = printed_bytes(report, "total")
-    assert communication[0] > 0, report
-    assert abs(held[0] - total[0] - communication[0]) <= held[1] + total[1] + communication[1], report
-
-
-def printed_bytes(report: str, row: str) -> tuple[float, float]:
-    """The measured bytes of ``row`` as printed, and how far printing to one decimal may have moved them."""
-    (line,) = [line for line in report.splitlines() if line.startswith(f"| {row} |")]
-    value, unit = line.split("|")[2].split()
-    return float(value) * _UNITS[unit], 0 if unit == "B" else 0.05 * _UNITS[unit]
+    held_rows = report_rows(report, ("total", "communication_buffers", "held_in_all"))
+    assert held_rows.keys() == {"total", "communication_buffers", "held_in_all"}, report
+    (total, total_rounding, _), (communication, communication_rounding, _), (held, held_rounding, _) = (
+        held_rows[row] for row in ("total", "communication_buffers", "held_in_all")
+    )
+    assert communication > 0, report
+    assert abs(held - total - communication) <= held_rounding + total_rounding + communication_rounding, report
 
 
 def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> None:

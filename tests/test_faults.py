@@ -47,11 +47,11 @@ def wait_until_trained(procs: list[subprocess.Popen], tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
-def wait_for_exit(proc: subprocess.Popen, seconds: float, tmp_path: Path) -> None:
+def wait_for_exit(proc: subprocess.Popen, seconds: float, tmp_path: Path, rank: int = 0) -> None:
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"rank 0 still runs {seconds} s after the fault; its log:\n{log(tmp_path, 0)[-3000:]}")
+        pytest.fail(f"rank {rank} still runs {seconds} s after the fault; its log:\n{log(tmp_path, rank)[-3000:]}")
 
 
 def ended(tmp_path: Path, rank: int) -> list[dict[str, Any]]:
@@ -159,10 +159,11 @@ def test_the_users_exception_surfaces_under_every_stage(tmp_path: Path) -> None:
     runs.append({"strategy": "zero3", "fault": "validation_step"})
     procs = start_runs(runs, tmp_path)
     try:
-        for proc in procs:
-            wait_for_exit(proc, 300, tmp_path)
+        for rank, proc in enumerate(procs):
+            wait_for_exit(proc, 300, tmp_path, rank)
     finally:
         kill_all(procs)
+    assert [proc.returncode for proc in procs] == [1, 1]  # the last run's ValueError ended each process
     for rank in range(2):
         errors = ended(tmp_path, rank)
         where = [f"{run['strategy']} {run['fault']}" for run in runs]

@@ -68,8 +68,9 @@ def weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
 
 def assert_same(actual: pl.Trainer, expected: pl.Trainer, what: str) -> None:
     close(torch.tensor(actual.lightning_module.losses), torch.tensor(expected.lightning_module.losses), f"{what} loss")
-    want = weights(expected)
-    for key, value in weights(actual).items():
+    want, got = weights(expected), weights(actual)
+    assert got.keys() == want.keys(), what
+    for key, value in got.items():
         close(value, want[key], f"{what} {key}")
 
 

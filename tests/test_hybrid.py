@@ -14,7 +14,7 @@ import torch
 from lightning_zero.__main__ import main
 from lightning_zero.estimate import estimate, format_bytes
 from tests.launch import launch
-from tests.oracle import close
+from tests.oracle import close, compare_optimizer_states
 
 WORKER = "tests.workers.hybrid"
 
@@ -24,21 +24,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hybrid")
     launch(WORKER, ["train", str(out)], world_size=4, nodes=2, timeout=300)
     launch(WORKER, ["resume", str(out)], world_size=2, timeout=300)
-    return {**torch.load(out / "train.pt", weights_only=False), **torch.load(out / "resume.pt", weights_only=False)}
-
-
-def assert_matches(actual: dict[str, Any], expected: dict[str, Any], what: str) -> None:
-    close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses")
-    for key, value in expected["state_dict"].items():
-        close(actual["state_dict"][key], value, f"{what} {key}")
-    for index, entries in expected["optimizer"]["state"].items():
-        for key, value in entries.items():
-            close(torch.as_tensor(actual["optimizer"]["state"][index][key]), torch.as_tensor(value), f"{what} {key}")
+    trained = [torch.load(out / f"train-rank{rank}.pt", weights_only=False) for rank in range(4)]
+    # rank 0's runs by name, and every rank's training runs, whose losses differ by rank
+    return {**trained[0], **torch.load(out / "resume-rank0.pt", weights_only=False), "trained": trained}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_matches_ddp(runs: dict[str, Any], stage: int) -> None:
-    assert_matches(runs[f"zero{stage}"], runs["ddp"], f"hybrid zero{stage}")
+    """On every rank of both nodes: losses, weights and optimizer state as DDP's."""
+    for rank, per_rank in enumerate(runs["trained"]):
+        actual, expected, what = per_rank[f"zero{stage}"], per_rank["ddp"], f"hybrid zero{stage} rank{rank}"
+        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses")
+        assert actual["state_dict"].keys() == expected["state_dict"].keys(), what
+        for key, value in expected["state_dict"].items():
+            close(actual["state_dict"][key], value, f"{what} {key}")
+        compare_optimizer_states(actual["optimizer"], expected["optimizer"], f"{what} optimizer")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -64,7 +64,9 @@ def test_checkpoint_restores_exactly_on_one_node_under_another_stage(runs: dict[
     assert restored["state_dict"].keys() == saved["state_dict"].keys()
     for key, value in saved["state_dict"].items():
         assert torch.equal(restored["state_dict"][key], value), key
+    assert restored["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
     for index, entries in saved["optimizer"]["state"].items():
+        assert restored["optimizer"]["state"][index].keys() == entries.keys(), index
         for key, value in entries.items():
             assert torch.equal(torch.as_tensor(restored["optimizer"]["state"][index][key]), torch.as_tensor(value))
 

@@ -58,8 +58,9 @@ def assert_same(actual: pl.Trainer, expected: pl.Trainer, what: str, tolerance: 
     """Weights as DDP's, within ``tolerance`` (the fp32 one by default, which the losses are held to as well)."""
     if tolerance is None:
         close(torch.tensor(actual.lightning_module.losses), torch.tensor(expected.lightning_module.losses), what)
-    want = weights(expected)
-    for key, value in weights(actual).items():
+    want, got = weights(expected), weights(actual)
+    assert got.keys() == want.keys(), what
+    for key, value in got.items():
         close(value, want[key], f"{what} {key}", *(() if tolerance is None else (tolerance,)))
 
 

@@ -43,7 +43,7 @@ class EngineMode(Mode):
     def group(self) -> ProcessGroup | None:
         if self.engine is None or self.engine.state is not EngineState.ATTACHED:
             return None
-        return self.engine.group
+        return self._mesh().world  # every data-parallel rank, not the shard group of hybrid sharding
 
     @property
     def gradient_sync(self) -> bool:

@@ -97,7 +97,8 @@ class Mode:
 
     @property
     def group(self) -> ProcessGroup | None:
-        """The data-parallel group, once the mode communicates; ``None`` while there is nothing to synchronise."""
+        """The data-parallel group (every rank, across the shard groups of hybrid sharding), once the mode
+        communicates; ``None`` while there is nothing to synchronise."""
         return None
 
     @property

@@ -77,6 +77,7 @@ def kill_at(swap: str, step: str, target: Path) -> None:
     if swap == "two_renames":
 
         def refuse(staging: Path, existing: Path) -> None:
+            (target.parents[1] / "refused").touch()  # the test checks this case took the two renames
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(staging), None, str(existing))
 
         publish.exchange = refuse

@@ -66,8 +66,7 @@ def main() -> None:
             results[f"restored-zero{stage}"] = full_snapshot(restored)  # max_steps reached: restored, not trained
         continued = fit(ZeroStrategy(stage=3), 8, nodes=1, ckpt_path=out / "hybrid-zero2")
         results["continued"] = full_snapshot(continued)
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out / f"{phase}.pt")
+    torch.save(results, out / f"{phase}-rank{torch.distributed.get_rank()}.pt")
 
 
 if __name__ == "__main__":

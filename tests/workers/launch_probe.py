@@ -18,9 +18,9 @@ def main(behaviour: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     match behaviour, rank:
         case "rank1_fails", 0:
-            (out / "rank0.pid").write_text(str(os.getpid()))
             import torch.distributed as dist
 
+            (out / "rank0.pid").write_text(str(os.getpid()))  # imported: what remains is the rendezvous, which blocks
             dist.init_process_group("gloo")
             dist.barrier()
         case "rank1_fails", 1:

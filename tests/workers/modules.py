@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -221,10 +220,6 @@ class OverflowClassifier(Classifier):
 
 
 MODULES = {"classifier": Classifier, "manual": ManualClassifier, "overflow": OverflowClassifier}
-
-
-def count_params(module: nn.Module) -> int:
-    return sum(math.prod(p.shape) for p in module.parameters())
 
 
 from tests.workers.modules_zero3 import MODULES_ZERO3  # noqa: E402  (stage-3 test modules)
