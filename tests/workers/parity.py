@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero.memory import engine_of, measure
 from tests.scenarios import Scenario, StrategySpec, read_payload, save_results
@@ -93,6 +93,12 @@ def run(scenario: Scenario, strategy: StrategySpec, out_dir: Path) -> dict[str, 
     result: dict[str, Any] = {
         "losses": list(module.losses),
         "state_dict": {k: full(v).detach().clone() for k, v in module.state_dict().items()},
+        # stage 3: whether each DTensor is split by rows, and this rank's part of it
+        "shards": {
+            k: (v.placements == (Shard(0),), v.to_local().detach().clone())
+            for k, v in module.state_dict().items()
+            if isinstance(v, DTensor)
+        },
         "optimizers": [full_optimizer_state(opt) for opt in trainer.optimizers],
         "lrs": [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers],
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
