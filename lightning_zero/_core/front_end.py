@@ -97,6 +97,22 @@ class ZeroFrontEnd:
         return output
 
 
+def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default: Callable[[], Any]) -> property:
+    """The front end's precision plugin property, kept in ``attribute``: whatever plugin is set becomes ZeRO-aware
+    (``zero_aware``), and with none set a ZeRO-aware ``default()`` is made once and kept, since the mode gives the
+    plugin the engine's loss scaler."""
+
+    def get(self: Any) -> Any:
+        if getattr(self, attribute) is None:
+            setattr(self, attribute, zero_aware(default()))
+        return getattr(self, attribute)
+
+    def set_(self: Any, plugin: Any) -> None:
+        setattr(self, attribute, None if plugin is None else zero_aware(plugin))
+
+    return property(get, set_)
+
+
 def with_fixed_stages(base: Strategy) -> tuple[Strategy, Strategy, Strategy]:
     """``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` of a front end: its ``ZeroStrategy`` with the
     stage fixed, defined in ``base``'s module (assign them to those names there, so that they pickle by reference)."""

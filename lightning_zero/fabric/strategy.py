@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState
 
@@ -81,17 +81,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self._module: nn.Module | None = None  # the module set up, whose parameters the optimizers update
         self._hooks: list[RemovableHandle] = []
 
-    @property
-    @override
-    def precision(self) -> Precision:
-        if self._precision is None:  # kept: the mode gives this plugin the engine's loss scaler
-            self._precision = zero_aware(Precision())
-        return self._precision
-
-    @precision.setter
-    @override
-    def precision(self, precision: Precision | None) -> None:
-        self._precision = None if precision is None else zero_aware(precision)
+    precision = zero_aware_plugin("_precision", zero_aware, Precision)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

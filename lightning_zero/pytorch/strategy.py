@@ -31,7 +31,7 @@ from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ModuleOption, ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -139,17 +139,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             start_method=start_method,
         )
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self._precision_plugin = zero_aware(Precision())
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = None if precision_plugin is None else zero_aware(precision_plugin)
+    precision_plugin = zero_aware_plugin("_precision_plugin", zero_aware, Precision)
 
     @override
     def _configure_launcher(self) -> None:
