@@ -22,7 +22,6 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint import keys
 from lightning_zero._checkpoint.error import CheckpointError
 
 RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
@@ -153,7 +152,7 @@ def as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
     if record["module"] is not None:
         contents[record["module"]] = model
     for name, optimizer_state in zip(record["optimizers"], optimizers, strict=False):
-        contents[name] = {k: v for k, v in optimizer_state.items() if k != keys.SHARDED_KEYS}
+        contents[name] = optimizer_state
     return contents
 
 

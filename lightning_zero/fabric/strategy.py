@@ -30,7 +30,8 @@ from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._checkpoint.unpickling import Unpickling
-from lightning_zero._config import ZeroConfig
+from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._config import StateDictType, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.precision import zero_aware
@@ -51,7 +52,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
-            ``memory_report``, ``shard_group_size``, ``sharded_on_one_device``.
+            ``memory_report``, ``shard_group_size``, ``state_dict_type``, ``sharded_on_one_device``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
         start_method: as for Fabric's ``DDPStrategy``.
     """
@@ -156,7 +157,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Every rank writes its own shards into the directory ``path``, published atomically when complete: the same
-        directory the Trainer writes, which either front end resumes from, at any world size and stage."""
+        directory the Trainer writes, which either front end resumes from, at any world size and stage. With
+        ``state_dict_type="full"``, rank 0 writes one ordinary file there instead, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         parts = FabricState.of(state)
         module = parts.module(state)
@@ -168,7 +170,13 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
         target = Path(self.broadcast(str(path)))
         named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
-        save_directory(checkpoint, named_like, target)
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                save_directory(checkpoint, named_like, target)
+            case StateDictType.FULL:  # the file "ddp" writes, the entries under the user's names
+                whole = gathered_checkpoint(checkpoint, named_like, self.is_global_zero)
+                if self.is_global_zero:
+                    write_file(target, as_saved(whole))
 
     @override
     def load_checkpoint(
@@ -189,7 +197,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             return {}
         if not state:
             if directory is None:
-                return self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+                return self._read_file(source, weights_only)
             return as_saved(whole_checkpoint(directory, Unpickling.from_weights_only(weights_only)))
         parts = FabricState.of(state)
         module = parts.module(state)
@@ -205,7 +213,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
             checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
         else:
-            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+            checkpoint = self._read_file(source, weights_only)
             self.mode.load_module_state(module, parts.pop_module_state(checkpoint, source), strict)
             for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
                 self.mode.load_optimizer_state(state[key], optimizer_state)
@@ -226,11 +234,16 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 " HINT: load it with `fabric.load(path, {'model': model, ...})`, or consolidate it into one file first"
                 " (`python -m lightning_zero consolidate DIR FILE`)."
             )
-        contents = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+        contents = self._read_file(source, weights_only)
         if isinstance(target, nn.Module):
             self.mode.load_module_state(target, raw_module_state(contents), strict)
         else:
             self.mode.load_optimizer_state(target, contents)
+
+    def _read_file(self, source: Path, weights_only: bool | None) -> Any:
+        """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
+        check_file(source)
+        return self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_zero import CheckpointError
+import lightning_zero.fabric
+from lightning_zero import CheckpointError, Zero3Strategy
 from tests.scenarios import read_payload, save_results
 from tests.workers.modules import Classifier
 from tests.workers.parity import full, full_optimizer_state
@@ -59,8 +63,14 @@ def evaluate(model: Any) -> None:
         model(torch.randn(2, 12))
 
 
+def fabric_strategy(label: str) -> Any:
+    """``"zero3_full"``: ``Zero3Strategy(state_dict_type="full")``; other labels are registered names."""
+    name, _, kind = label.partition("_")
+    return getattr(lightning_zero.fabric, f"Zero{name[-1]}Strategy")(state_dict_type=kind) if kind else name
+
+
 def run(strategy: str, files: Path) -> dict[str, Any]:
-    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=fabric_strategy(strategy))
     fabric.launch()
     fabric.seed_everything(0, verbose=False)
     module = Classifier()
@@ -90,6 +100,8 @@ def run(strategy: str, files: Path) -> dict[str, Any]:
 
     saved = files / f"{strategy}-{WORLD_SIZE}.ckpt"
     fabric.save(saved, {"model": model, "optimizer": optimizer, "iter_num": 7})
+    record["saved"] = {"weights": whole_weights(model), "optimizer": whole_optimizer_state(optimizer)}
+    record["saved_a_file"] = saved.is_file()
     contents = fabric.load(saved)
     record["load_without_state"] = {
         "keys": sorted(contents),
@@ -98,12 +110,36 @@ def run(strategy: str, files: Path) -> dict[str, Any]:
         "iter_num": contents["iter_num"],
     }
     record["load_rest"] = fabric.load(saved, {"model": model, "optimizer": optimizer})
-    if strategy != "ddp":
+    if strategy == "zero3":
+        record["view_warnings"] = view_warnings()
+    if strategy in ("zero1", "zero2", "zero3"):
         record["misdirected"] = [
             error_of(lambda: fabric.load(files / "raw.pt", {"model": model})),
             error_of(lambda: fabric.load_raw(saved, model)),
         ]
     return record
+
+
+class ViewOut(nn.Module):
+    """A module whose forward returns a view, which torch's ``fully_shard`` warns of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).view(-1)
+
+
+def view_warnings() -> int:
+    """How many times torch's warning of a returned view reached this rank's user in three steps under stage 3."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy="zero3")
+    fabric.launch()
+    model = fabric.setup_module(ViewOut())
+    with warnings.catch_warnings(record=True) as caught:
+        for _ in range(3):
+            fabric.backward(model(torch.randn(2, 4)).sum())
+    return sum("returned a view tensor" in str(w.message) for w in caught)
 
 
 def error_of(load: Callable[[], Any]) -> str:
@@ -134,10 +170,39 @@ def main() -> None:
     if int(os.environ["RANK"]) == 0 and not (files / "raw.pt").exists():
         files.mkdir(exist_ok=True)
         write_files(files)
-    results = {}
+    results: dict[str, Any] = {}
     for strategy in payload["strategies"]:
         results[strategy] = run(strategy, files)  # each run's first collective waits for rank 0's files
+    for strategy in payload["strategies"]:
+        if strategy.endswith("_full"):
+            results[f"ddp_loads_{strategy}"] = ddp_loads(files / f"{strategy}-{WORLD_SIZE}.ckpt")
+    if payload["trainer"]:
+        results["best_model_paths"] = {kind: best_model_path(out_dir / kind, kind) for kind in ("full", "sharded")}
     save_results(out_dir, int(os.environ["RANK"]), results)
+
+
+def ddp_loads(path: Path) -> dict[str, Any]:
+    """A fresh classifier and optimizer under Fabric's ``"ddp"``, loaded from a full checkpoint file of ours."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy="ddp")
+    fabric.launch()
+    torch.manual_seed(1)
+    module = Classifier()
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    rest = fabric.load(path, {"model": model, "optimizer": optimizer})
+    return {"weights": whole_weights(model), "optimizer": whole_optimizer_state(optimizer), "rest": rest}
+
+
+def best_model_path(directory: Path, kind: str) -> str:
+    """Fit the classifier under stage 3 writing ``kind`` checkpoints with ``ModelCheckpoint``; its best one's path."""
+    pl.seed_everything(0, verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=Zero3Strategy(state_dict_type=kind), max_epochs=2,
+        limit_train_batches=3, limit_val_batches=2, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Classifier())
+    return checkpoint.best_model_path
 
 
 if __name__ == "__main__":
