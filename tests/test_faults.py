@@ -26,6 +26,7 @@ from tests.launch import start
 
 TIMEOUT = 5
 REPORTED_WITHIN = TIMEOUT + 3
+STEP_SLACK = 1.0  # seconds rank 0 may have waited in a collective before the stop: a step of the test model is faster
 EXITED_WITHIN = TIMEOUT + 20
 NO_SHM = {"LIGHTNING_ZERO_SHM_DISABLE": "1"}  # the point-to-point exchanges over gloo, as across hosts
 
@@ -118,7 +119,9 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
     reported = error["caught_at"] - stopped
     print(f"{strategy} {'gloo' if env else 'shared memory'}, stopped {when}: reported {reported:.1f} s, exited"
           f" {exited - stopped:.1f} s after the SIGSTOP, timeout {TIMEOUT} s")
-    assert TIMEOUT <= reported < REPORTED_WITHIN
+    # rank 0 may already wait in the collective when the SIGSTOP lands (more so on a loaded machine): its timeout then
+    # runs out a little before `stopped + TIMEOUT`, never a whole step's time before it
+    assert TIMEOUT - STEP_SLACK <= reported < REPORTED_WITHIN
     shown = f"rank 1 (PID {procs[1].pid})" if env is None else "rank 1"  # gloo does not say which PID it waited for
     assert f"{shown} did not arrive within {TIMEOUT} s, the process group's timeout" in error["message"]
     assert "HINT: a rank that does not arrive is alive but elsewhere" in error["message"]
