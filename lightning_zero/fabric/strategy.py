@@ -49,8 +49,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
             ``memory_report``, ``shard_group_size``, ``sharded_on_one_device``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
-        start_method: as for Fabric's ``DDPStrategy``.
+
+    The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Fabric's ``DDPStrategy``.
     """
 
     def __init__(
