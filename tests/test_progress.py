@@ -1,0 +1,78 @@
+"""``python -m lightning_zero consolidate`` draws a progress bar on a terminal, and only there: its stderr attached to a
+pipe (a log) gets none, a pseudo-terminal (a real one, from the ``pty`` module) gets tqdm's bar, and ``--quiet``
+silences it on the terminal too. Each case is a real process consolidating a real checkpoint."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.workers.checkpoints import MODULE_KWARGS
+from tests.workers.modules import Classifier
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("progress") / "checkpoint"
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Classifier(**MODULE_KWARGS))
+    trainer.save_checkpoint(target)
+    return target
+
+
+def consolidate(checkpoint: Path, output: Path, *flags: str, terminal: bool) -> tuple[str, str]:
+    """Run the command with stderr on a pseudo-terminal (``terminal``) or a pipe; return its stdout and stderr."""
+    argv = [sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if not terminal:
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout, done.stderr
+    controller, attached = pty.openpty()
+    fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: 80 columns
+    with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=attached) as proc:
+        os.close(attached)
+        drawn = b""
+        while True:  # read the terminal as it is written, so the child never blocks on a full one
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        stdout = proc.stdout.read().decode()
+    os.close(controller)
+    assert proc.returncode == 0, drawn.decode(errors="replace")
+    return stdout, drawn.decode(errors="replace")
+
+
+def test_consolidate_draws_a_bar_only_on_a_terminal(checkpoint: Path, tmp_path: Path) -> None:
+    stdout, logged = consolidate(checkpoint, tmp_path / "piped.ckpt", terminal=False)
+    assert logged == "" and stdout == f"wrote {tmp_path / 'piped.ckpt'}\n"
+
+    stdout, drawn = consolidate(checkpoint, tmp_path / "terminal.ckpt", terminal=True)
+    assert "reading checkpoint: 100%" in drawn and "\r" in drawn, drawn  # tqdm redraws the line in place
+    assert stdout == f"wrote {tmp_path / 'terminal.ckpt'}\n"
+
+    stdout, drawn = consolidate(checkpoint, tmp_path / "quiet.ckpt", "--quiet", terminal=True)
+    assert drawn == "" and stdout == "", drawn
+
+    weights = [torch.load(tmp_path / f"{name}.ckpt")["state_dict"] for name in ("piped", "terminal", "quiet")]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys()
+        assert all(torch.equal(other[k], weights[0][k]) for k in other)
