@@ -60,8 +60,8 @@ def cpu() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} cores"
 
 
-def provenance(device: str) -> str:
-    """``"<device> | commit abc1234 | 2026-11-23"``: where and when the numbers were measured."""
+def _revision() -> str:
+    """The commit checked out, with ``+changes`` if the package or the benchmarks differ from it."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
@@ -70,7 +70,15 @@ def provenance(device: str) -> str:
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     if git("status", "--porcelain", "--untracked-files=no", "--", "lightning_zero", "benchmarks"):
         commit += "+changes"
-    return f"{device} | commit {commit} | {datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
+    return commit
+
+
+REVISION = _revision()  # as the benchmark starts: the code that measured, whatever changes while it runs
+
+
+def provenance(device: str) -> str:
+    """``"<device> | commit abc1234 | 2026-11-23"``: where and when the numbers were measured."""
+    return f"{device} | commit {REVISION} | {datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
 
 
 def save(figure: Any, path: Path, device: str) -> None:

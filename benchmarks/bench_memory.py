@@ -215,7 +215,7 @@ def chart(measured: dict[int, list[dict[str, dict[str, int]]]], psi: int, path: 
         axes.plot(line, [mode.bytes_per_param(n) * psi / MIB for n in line], color=_charts.color(name), alpha=0.5,
                   label=f"{mode.label}: {mode.formula}")  # fmt: skip
         axes.plot(ns, [largest_total(measured[n], mode) / MIB for n in ns], "o", color=_charts.color(name))
-    title = f"Model-state bytes per rank, Psi = {psi / 1e6:.2f} M, Adam: measured (points) on the formulas (lines)"
+    title = f"Model state per rank, Psi = {psi / 1e6:.2f} M, Adam: measured (points), formulas (lines)"
     axes.set(xlabel="N (ranks)", ylabel="model state per rank (MiB)", xticks=list(line), ylim=(0, None), title=title)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
