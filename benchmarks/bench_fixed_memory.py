@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
-from lightning_zero.memory import engine_of, measure
 from benchmarks import _charts
+from lightning_zero.memory import engine_of, measure
 from tests.launch import launch
 
 MIB = 2**20
