@@ -42,11 +42,11 @@ class Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def train(strategy: str, args: argparse.Namespace) -> list[float]:
+def train(strategy: str, args: argparse.Namespace, world_size: int) -> list[float]:
     pl.seed_everything(0, verbose=False)
     losses = Losses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=args.steps,
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=args.steps,
         callbacks=[losses], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -55,8 +55,8 @@ def train(strategy: str, args: argparse.Namespace) -> list[float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    rank = int(os.environ["RANK"])
-    results = {strategy: train(strategy, args) for strategy in STRATEGIES}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown removes them
+    results = {strategy: train(strategy, args, world_size) for strategy in STRATEGIES}
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()

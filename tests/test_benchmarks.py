@@ -1,4 +1,5 @@
-"""The GPU benchmark's own code runs, on the CPU: so a machine with a GPU measures instead of debugging the script."""
+"""The GPU benchmark's own code runs, on the CPU: so a machine with a GPU measures instead of debugging the script, and
+draws its chart."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "benchmarks.bench_gpu", "--device", "cpu", "--sizes", "tiny", "--precision", "32-true",
         "--strategies", "ddp,zero1,zero2,zero3", "--steps", "2", "--warmup", "1", "--rounds", "1", "--batch-size", "2",
-        "--out", str(table),
+        "--out", str(table), "--chart", str(tmp_path / "gpu.png"),
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -24,3 +25,4 @@ def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
         assert float(row[2].replace(",", "")) > 0  # tokens/s
     assert rows[0][3] == "1.000"  # ddp against itself
     assert "failed" not in done.stdout, done.stdout
+    assert (tmp_path / "gpu.png").read_bytes().startswith(b"\x89PNG"), done.stdout  # the chart, from the same runs
