@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 GPU_ONLY = "<!-- gpu-only -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+CHART = re.compile(r"!\[[^\]]*\]\([^)]*charts/([\w.]+\.png)\)")  # ![alt](.../charts/NAME.png)
 STALE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
@@ -137,6 +138,18 @@ def test_gpu_block_compiles_and_names_what_exists(block: Block) -> None:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
             owner = namespace[node.value.id]
             assert hasattr(owner, node.attr), f"{block.where}: `{node.value.id}.{node.attr}` does not exist"
+
+
+def test_every_chart_is_shown_and_small() -> None:
+    """The benchmarks write their charts to ``docs/assets/charts/``: each one there is shown by a page (a chart no page
+    shows is stale) and stays small enough for the repository; each page's images exist (as ``mkdocs build --strict``
+    also checks)."""
+    charts = {path.name: path for path in (DOCS / "assets" / "charts").glob("*.png")}
+    shown = {name for path in markdown_files() for name in CHART.findall(path.read_text())}
+    assert shown <= set(charts), f"pages show charts that do not exist: {shown - set(charts)}"
+    assert set(charts) <= shown, f"charts no page shows: {set(charts) - shown}"
+    for path in charts.values():
+        assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size < 200_000, path
 
 
 @pytest.mark.parametrize(
