@@ -86,12 +86,16 @@ def chart(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> None
         style = {"linewidth": 4, "alpha": 0.35} if strategy == "ddp" else {"linewidth": 1}
         curves.plot(steps, ranks[0][strategy], color=_charts.color(strategy), label=strategy, **style)
         if strategy != "ddp":
-            gap = [max(abs(a - b), 1e-12) for a, b in zip(ranks[0][strategy], ranks[0]["ddp"], strict=True)]
-            gaps.plot(steps, gap, color=_charts.color(strategy), label=strategy, linewidth=1)
+            gap = [a - b for a, b in zip(ranks[0][strategy], ranks[0]["ddp"], strict=True)]
+            largest = max(abs(g) for g in gap)
+            gaps.plot(steps, gap, color=_charts.color(strategy), label=f"{strategy}: largest {largest:.1e}")
     title = f"Example GPT ({args.size}), {len(ranks)} ranks, fp32 AdamW: every stage on ddp's curve"
     curves.set(ylabel="training loss (rank 0)", title=title)
     curves.legend(fontsize=8)
-    gaps.set(xlabel="optimizer step", ylabel="|loss - ddp's loss|", yscale="log")
+    low, high = gaps.get_ylim()
+    reach = max(abs(low), abs(high), 1e-6)  # differences of 0 show as a line on 0, not as a zoom into nothing
+    gaps.set(xlabel="optimizer step", ylabel="loss - ddp's loss", ylim=(-reach, reach))
+    gaps.legend(fontsize=8)
     for axes in (curves, gaps):
         axes.grid(alpha=0.3)
     _charts.save(figure, args.chart, f"{_charts.cpu()} (CPU ranks)")
