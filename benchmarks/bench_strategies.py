@@ -396,7 +396,7 @@ def chart(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> Non
         for result in rank_results:
             runs.setdefault((result["strategy"], result["round"]), []).append(result)
     names = args.strategies[::-1]  # top to bottom in the order given
-    figure, (time_axes, memory_axes) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    figure, (time_axes, memory_axes) = plt.subplots(1, 2, figsize=(10, 4.8), sharey=True)
     for parts, axes, shades, unit in (
         ({name: phase_ms(runs, name) for name in names}, time_axes, list(PHASES.values()), "ms per step (median)"),
         (
@@ -411,10 +411,11 @@ def chart(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> Non
             left = 0.0
             for i, value in enumerate(parts[name]):
                 axes.barh(y, value, left=left, color=_charts.color(name), alpha=1.0 - 0.22 * i, edgecolor="black",
-                          linewidth=0.5, label=shades[i] if y == 0 else None)  # fmt: skip
+                          linewidth=0.5)  # fmt: skip
                 left += value
-        axes.set(xlabel=unit)
-        axes.legend(fontsize=7, loc="lower right")
+        axes.set(xlabel=unit, xlim=(0, max(sum(p) for p in parts.values()) * 1.05))
+        legend = [plt.Rectangle((0, 0), 1, 1, facecolor="#555555", alpha=1.0 - 0.22 * i) for i in range(len(shades))]
+        axes.legend(legend, shades, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         axes.grid(axis="x", alpha=0.3)
     time_axes.set_yticks(range(len(names)), names)
     psi, n = everyone[0][0]["num_params"], len(everyone)
