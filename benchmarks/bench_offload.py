@@ -101,13 +101,15 @@ def step_chart(rates: dict[str, list[float]], title: str, path: Path) -> None:
     if plt is None:
         return
     figure, axes = plt.subplots(figsize=(8, 2.8))
+    baseline = statistics.median(next(iter(rates.values())))
     for y, sorted_rates in enumerate(rates.values()):
         median = statistics.median(sorted_rates)
         spread = [[median - sorted_rates[0]], [sorted_rates[-1] - median]]
         axes.barh(y, median, xerr=spread, color=("#7f7f7f", "#ff7f0e")[y % 2], edgecolor="black", capsize=4)
-        axes.text(median, y, f"  {median:,.0f}", va="center", fontsize=8)
+        axes.text(sorted_rates[-1], y, f"  {median:,.1f} ({median / baseline:.2f}x)", va="center", fontsize=8)
     axes.set_yticks(range(len(rates)), list(rates))
-    axes.set(xlabel="M parameters updated per second (median; range over rounds)", title=title)
+    highest = max(r[-1] for r in rates.values())
+    axes.set(xlabel="M parameters updated per second (median; range over rounds)", title=title, xlim=(0, highest * 1.3))
     axes.grid(axis="x", alpha=0.3)
     _charts.save(figure, path, f"{_charts.cpu()}")
 
