@@ -118,7 +118,8 @@ def chart(layouts: dict[str, dict], path: Path) -> None:
     names = ["gradients", "parameter gathers", "full sharding (left)", 'hybrid, shard_group_size="node" (right)']
     axes.legend(legend, names, fontsize=8)
     psi = layouts[next(iter(layouts))]["psi"]
-    axes.set(ylabel="MiB rank 0 sends to other nodes per step",
+    highest = max(grads(s) + gathers(s) for data in layouts.values() for runs in data["results"].values() for s in runs)
+    axes.set(ylabel="MiB rank 0 sends to other nodes per step", ylim=(0, highest * 1.5),
              title=f"Bytes crossing nodes per step (nodes x devices), Psi = {psi:,} fp32 parameters")  # fmt: skip
     axes.grid(axis="y", alpha=0.3)
     _charts.save(figure, path, f"{_charts.cpu()} (nodes simulated by CPU processes)")
