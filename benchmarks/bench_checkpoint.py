@@ -375,7 +375,8 @@ def chart(rows: list[Measurement], results: list[dict[str, float | None]], args:
                        label="with checksums" if x == 0 else None)  # fmt: skip
             labels.append(f"{what}\nrank {rank}")
     checks.set_xticks(range(len(labels)), labels, fontsize=8)
-    checks.set(ylabel="seconds (median of rounds)")
+    highest = max(float(r[k]) for r in results for keys in pairs.values() for k in keys)
+    checks.set(ylabel="seconds (median of rounds)", ylim=(0, highest * 1.3))
     checks.legend(fontsize=8)
     for axes in (processes, checks):
         axes.grid(alpha=0.3)
