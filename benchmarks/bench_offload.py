@@ -108,8 +108,9 @@ def step_chart(rates: dict[str, list[float]], title: str, path: Path) -> None:
         axes.barh(y, median, xerr=spread, color=("#7f7f7f", "#ff7f0e")[y % 2], edgecolor="black", capsize=4)
         axes.text(sorted_rates[-1], y, f"  {median:,.1f} ({median / baseline:.2f}x)", va="center", fontsize=8)
     axes.set_yticks(range(len(rates)), list(rates))
-    highest = max(r[-1] for r in rates.values())
-    axes.set(xlabel="M parameters updated per second (median; range over rounds)", title=title, xlim=(0, highest * 1.3))
+    lowest, highest = min(r[0] for r in rates.values()), max(r[-1] for r in rates.values())
+    axes.set(xlabel="M parameters updated per second (median; range over rounds), log scale", title=title,
+             xscale="log", xlim=(lowest / 2, highest * 4))  # fmt: skip
     axes.grid(axis="x", alpha=0.3)
     _charts.save(figure, path, f"{_charts.cpu()}")
 
