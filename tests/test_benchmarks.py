@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,3 +28,14 @@ def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
     assert rows[0][3] == "1.000"  # ddp against itself
     assert "failed" not in done.stdout, done.stdout
     assert (tmp_path / "gpu.png").read_bytes().startswith(b"\x89PNG"), done.stdout  # the chart, from the same runs
+
+
+def test_offload_capacity_chart_is_drawn_from_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity benchmark needs a CUDA GPU; its chart's code runs here on rows shaped as it measures them (two of
+    the table in docs/guides/offload.md: device and host bytes per parameter, largest model, what bounds it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the benchmark runs as a script, beside its helpers
+    import bench_offload
+
+    rows = {"plain (no ZeRO), fp32": (20.06, 17.38, 4.2, "GPU"), "zero3_offload, fp32": (0.83, 17.70, 7.6, "host")}
+    bench_offload.capacity_chart(rows, "capacity", "a GPU", tmp_path / "capacity.png")
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
