@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +15,13 @@ from lightning_zero._wrap import ModuleFilter, ModulePolicy, RepeatedEntries, re
 
 ModuleOption = set[type[torch.nn.Module] | str] | list[type[torch.nn.Module] | str] | int | ModuleFilter | None
 """How a user names submodules (``auto_wrap_policy``, ``activation_checkpointing``): see :mod:`lightning_zero._wrap`."""
+
+
+class StateDictType(str, Enum):
+    """How a checkpoint is written (the name and values of Lightning's ``FSDPStrategy`` option)."""
+
+    SHARDED = "sharded"  # a directory, each rank writing its own shards
+    FULL = "full"  # one ordinary file, written by rank 0 from tensors gathered whole one at a time
 
 
 class Stage(IntEnum):
@@ -80,6 +87,12 @@ class ZeroConfig:
     of one node) and replicated across the groups; gradients are reduce-scattered within a group, then each shard is
     all-reduced across the groups, and parameters are gathered within a group only. ``None``: one group of every rank
     (full sharding). Per-rank bytes then follow the group size, not the number of ranks."""
+
+    state_dict_type: StateDictType = StateDictType.SHARDED
+    """How checkpoints are written: ``"sharded"``, a directory in which each rank writes its own shards (fast, no rank
+    holds the whole model); ``"full"``, one ordinary checkpoint file written by rank 0, which ``load_from_checkpoint``
+    and a plain ``Trainer`` read as they are (rank 0 holds the whole checkpoint on the host while writing). Either
+    kind resumes under any stage at any world size."""
 
     sharded_on_one_device: bool = False
     """For testing: run the ZeRO machinery (buckets and collectives, optimizer shards, ``fully_shard``) on a single
@@ -181,6 +194,12 @@ class ZeroConfig:
                 " optimizer with `offload_optimizer=True`."
             )
         offload = _resolve_offload(given["offload_optimizer"])
+        state_dict_type = given["state_dict_type"]
+        if state_dict_type not in [t.value for t in StateDictType]:
+            raise ValueError(
+                f"`state_dict_type={state_dict_type!r}` is not a kind of checkpoint. HINT: pass 'sharded' (a directory"
+                " of each rank's shards, the default) or 'full' (one ordinary file, written by rank 0)."
+            )
         return cls(
             **{name: given[name] for name in (*_SWITCHES, "memory_report")},
             stage=Stage(stage),
@@ -191,6 +210,7 @@ class ZeroConfig:
             offload_optimizer=offload,
             offload_dir=_resolve_offload_dir(offload, given["offload_dir"]),
             shard_group_size=group_size,
+            state_dict_type=StateDictType(state_dict_type),
         )
 
     @property

@@ -47,8 +47,17 @@ def consolidate_checkpoint(
     While it reads, a progress bar is drawn on stderr if stderr is a terminal (never into a log or a pipe);
     ``progress=False`` leaves it out there too.
     """
-    path = ckpt.readable_directory(Path(checkpoint_dir)) or Path(checkpoint_dir)
     unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
+    checkpoint = whole_checkpoint(Path(checkpoint_dir), unpickling, weights_only=weights_only)
+    output = Path(output_file)
+    publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
+    return output
+
+
+def whole_checkpoint(checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False) -> dict[str, Any]:
+    """The checkpoint at ``checkpoint_dir`` as one Lightning checkpoint dict of whole tensors, read in this process
+    alone (see :func:`consolidate_checkpoint`)."""
+    path = ckpt.readable_directory(checkpoint_dir) or checkpoint_dir
     meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
     entries = metadata.state_dict_metadata
@@ -64,9 +73,7 @@ def consolidate_checkpoint(
     if weights_only:
         for key in ("optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
-    output = Path(output_file)
-    publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
-    return output
+    return checkpoint
 
 
 def _read(path: Path, metadata: Metadata, unpickling: Unpickling, advance: Callable[[int], object], key: str) -> Any:

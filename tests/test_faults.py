@@ -153,10 +153,11 @@ def test_a_killed_peer_is_reported_under_zero3(env: dict | None, tmp_path: Path)
 
 def test_the_users_exception_surfaces_under_every_stage(tmp_path: Path) -> None:
     """Every rank raises ``ValueError`` in ``training_step`` at step 3, under each stage in turn (one process per rank,
-    a fresh Trainer and module per run), then in ``validation_step`` under stage 3: the ``ValueError`` is what leaves
-    ``fit``, with nothing raised while handling it, and the process ends with it."""
+    a fresh Trainer and module per run), then in ``on_train_start`` (before any forward, where a failed resume raises)
+    and in ``validation_step`` under stage 3: the ``ValueError`` is what leaves ``fit``, with nothing raised while
+    handling it and no warning of the package's own cleanup, and the process ends with it."""
     runs = [{"strategy": s, "fault": "training_step"} for s in ("zero1", "zero2", "zero3")]
-    runs.append({"strategy": "zero3", "fault": "validation_step"})
+    runs += [{"strategy": "zero3", "fault": fault} for fault in ("on_train_start", "validation_step")]
     procs = start_runs(runs, tmp_path)
     try:
         for rank, proc in enumerate(procs):
@@ -169,8 +170,10 @@ def test_the_users_exception_surfaces_under_every_stage(tmp_path: Path) -> None:
         where = [f"{run['strategy']} {run['fault']}" for run in runs]
         assert [(w, e["type"]) for w, e in zip(where, errors, strict=True)] == [(w, "ValueError") for w in where]
         for run, error in zip(runs, errors, strict=True):
-            assert error["message"] == f"deliberate failure in {run['fault']} at step 3"
+            step = 0 if run["fault"] == "on_train_start" else 3
+            assert error["message"] == f"deliberate failure in {run['fault']} at step {step}"
             assert "During handling of the above exception" not in error["traceback"], error["traceback"]
+        assert "could not reshard" not in log(tmp_path, rank)
         last_line = log(tmp_path, rank).strip().splitlines()[-1]
         assert last_line.endswith("ValueError: deliberate failure in validation_step at step 3"), last_line
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
@@ -27,6 +29,8 @@ from lightning_zero._stage3.sharded_module import (
     precision_policy,
 )
 from lightning_zero._wrap import choose_units
+
+_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
 class FullyShardMode(Mode):
@@ -70,6 +74,8 @@ class FullyShardMode(Mode):
             masters_in_fp32(module)
         offload = offload_policy(self.config, self.device)
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)
+        if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
+            warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
         materialize(module, resets, self.device, mesh, shards_on_host=offload is not None)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
@@ -148,11 +154,6 @@ class FullyShardMode(Mode):
         step's unfinished gathers and reductions and reshard every unit."""
         if self.sharded is not None:
             self.sharded.settle()
-
-    def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-        """Each rank keeps its rows of every whole tensor."""
-        assert self.sharded is not None
-        self.sharded.load_full_state_dict(state_dict, strict=strict)
 
     def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         load_full_optimizer_state_into_dtensors(optimizer, state_dict)

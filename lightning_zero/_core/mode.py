@@ -177,7 +177,9 @@ class Mode:
         return load_directory(path, module, self.engine, set_up_for, weights_only)
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-        """Load a state dict of whole tensors (an ordinary single-file checkpoint)."""
+        """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over): each
+        rank keeps what it holds of each (stage 3: its rows, see ``ShardedModule``)."""
+        self.at_rest()
         module.load_state_dict(state_dict, strict=strict)
 
     def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_zero._config import ZeroConfig
 from lightning_zero._grouping import group_by
@@ -96,6 +95,9 @@ class ShardedModule:
             (m._parameters, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None
         ]
         module.register_forward_pre_hook(self._follow_requires_grad)
+        for owner in module.modules():
+            if any(isinstance(p, DTensor) for p in owner._parameters.values()):
+                owner.register_load_state_dict_pre_hook(self._shard_full_tensors)
         _BY_MODULE[module] = self
 
     @property
@@ -175,6 +177,8 @@ class ShardedModule:
         be moved, saved or trained. The aborted step's gradients are lost."""
         module = self.module
         assert isinstance(module, FSDPModule)
+        if not _has_run(module):  # nothing gathered yet, and no per-step state to reset
+            return
         if hasattr(module, "reset_iter_state"):  # torch 2.13
             module.reset_iter_state()
             return
@@ -185,10 +189,31 @@ class ShardedModule:
                 unit.reshard()
         module.set_reshard_after_forward(False, recurse=False)
 
-    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool) -> None:
-        """Keep of each whole tensor in ``state_dict`` (every rank has read the checkpoint) this rank's rows."""
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.module, state_dict, options=options)
+    def _shard_full_tensors(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        """Before ``load_state_dict`` copies into ``owner``'s parameters: a whole tensor (a full state dict, what
+        ``"ddp"`` saves) for a sharded parameter becomes the DTensor of this rank's rows of it, so that the shard
+        takes those rows; one of another shape is left for ``load_state_dict``'s own size check. The root unit may
+        still be gathered after an evaluation's forward: it is resharded first, so the shards are what is loaded."""
+        self.reshard()
+        for name, param in owner._parameters.items():
+            value = state_dict.get(prefix + name)
+            whole = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            if whole and isinstance(param, DTensor) and value.shape == param.shape:
+                state_dict[prefix + name] = _rows_of(value, param)
+
+
+def _has_run(module: FSDPModule) -> bool:
+    """Whether the root ran a forward: ``fully_shard`` sets up its per-step state (which a reset walks) only then."""
+    return module._get_fsdp_state()._is_root is not None  # torch's private state: None until the first forward
+
+
+def _rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's rows of ``whole``, laid out as ``like`` (no communication: every rank holds ``whole``), on
+    ``like``'s device: offloaded shards live on the host while their mesh names the accelerator."""
+    mesh = like.device_mesh
+    placed = distribute_tensor(whole.detach().to(mesh.device_type), mesh, like.placements, src_data_rank=None)
+    local = placed.to_local().to(like.to_local().device)
+    return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
 def offload_policy(config: ZeroConfig, device: torch.device) -> OffloadPolicy | None:

@@ -11,7 +11,7 @@ checkpoint of either front end loads in the other: the module gets ``"state_dict
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +93,17 @@ class FabricState:
             )
         return order
 
-    def pop_module_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def pop_module_state(self, checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
         """An ordinary file's module state: under the module's name (Fabric's own format) or ``"state_dict"``."""
         if self.module_key in checkpoint:
             return checkpoint.pop(self.module_key)
-        return checkpoint.pop(_MODEL)
+        if _MODEL in checkpoint:
+            return checkpoint.pop(_MODEL)
+        raise CheckpointError(
+            f"Checkpoint {path} holds no entry `{self.module_key}` nor `{_MODEL}` for the module."
+            f" HINT: a file of the module's state dict alone (`torch.save(model.state_dict(), path)`) loads with"
+            f" `fabric.load_raw(path, model)`."
+        )
 
     def pop_optimizer_states(self, checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """An ordinary file's optimizer states, by the names in ``state``."""
@@ -108,8 +114,10 @@ class FabricState:
         return states
 
     def restore_rest(self, state: dict[str, Any], checkpoint: dict[str, Any], strict: bool) -> dict[str, Any]:
-        """Fill ``state``'s other entries from ``checkpoint`` (stateful objects in place); return what remains."""
-        for key in (_MODEL, _OPTIMIZERS, RECORD):
+        """Fill ``state``'s other entries from ``checkpoint`` (stateful objects in place); return what remains, less
+        what a Fabric checkpoint holds for the format's sake."""
+        _drop_format_entries(checkpoint)
+        for key in (_MODEL, _OPTIMIZERS):
             checkpoint.pop(key, None)
         others = [k for k in state if k != self.module_key and k not in self.optimizers]
         _validate_keys_for_strict_loading(others, checkpoint.keys(), strict=strict)
@@ -121,3 +129,36 @@ class FabricState:
             else:
                 state[key] = checkpoint.pop(key)
         return checkpoint
+
+
+def raw_module_state(contents: dict[str, Any]) -> dict[str, Any]:
+    """The module state in a file ``fabric.load_raw`` reads: the file itself (``torch.save(model.state_dict())``), or
+    the ``"state_dict"`` of a Lightning checkpoint (a consolidated one, say): a state dict's values are tensors, never
+    a dict, so the two cannot be confused."""
+    inner = contents.get(_MODEL)
+    return dict(inner) if isinstance(inner, Mapping) else contents
+
+
+def as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A whole checkpoint as Fabric's ``"ddp"`` returns the file it saved: a Fabric checkpoint's module and optimizer
+    states back under the names they had in ``state``, without the entries the format added. A Trainer's checkpoint
+    is returned as it is."""
+    record = checkpoint.get(RECORD)
+    if record is None:
+        return checkpoint
+    contents = dict(checkpoint)
+    _drop_format_entries(contents)
+    model, optimizers = contents.pop(_MODEL), contents.pop(_OPTIMIZERS, [])
+    if record["module"] is not None:
+        contents[record["module"]] = model
+    for name, optimizer_state in zip(record["optimizers"], optimizers, strict=False):
+        contents[name] = optimizer_state
+    return contents
+
+
+def _drop_format_entries(checkpoint: dict[str, Any]) -> None:
+    """Remove what a Fabric save adds to the user's entries (the record, Lightning's version, empty schedulers)."""
+    if checkpoint.pop(RECORD, None) is not None:
+        checkpoint.pop("pytorch-lightning_version", None)
+        if checkpoint.get(_SCHEDULERS) == []:
+            checkpoint.pop(_SCHEDULERS)

@@ -27,11 +27,15 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import ZeroConfig
+from lightning_zero._checkpoint.unpickling import Unpickling
+from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._config import StateDictType, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
+from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.precision import zero_aware
-from lightning_zero.fabric.state import FabricState
+from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state
 
 _SET_BY_FABRIC = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
 
@@ -48,7 +52,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
-            ``memory_report``, ``shard_group_size``, ``sharded_on_one_device``.
+            ``memory_report``, ``shard_group_size``, ``state_dict_type``, ``sharded_on_one_device``.
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
     ``precision``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Fabric's ``DDPStrategy``.
@@ -154,7 +158,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Every rank writes its own shards into the directory ``path``, published atomically when complete: the same
-        directory the Trainer writes, which either front end resumes from, at any world size and stage."""
+        directory the Trainer writes, which either front end resumes from, at any world size and stage. With
+        ``state_dict_type="full"``, rank 0 writes one ordinary file there instead, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         parts = FabricState.of(state)
         module = parts.module(state)
@@ -166,7 +171,13 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
         target = Path(self.broadcast(str(path)))
         named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
-        save_directory(checkpoint, named_like, target)
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                save_directory(checkpoint, named_like, target)
+            case StateDictType.FULL:  # the file "ddp" writes, the entries under the user's names
+                whole = gathered_checkpoint(checkpoint, named_like, self.is_global_zero)
+                if self.is_global_zero:
+                    write_file(target, as_saved(whole))
 
     @override
     def load_checkpoint(
@@ -177,13 +188,18 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint directory (this package's, written by either front end) or an ordinary file into the
-        objects of ``state``, in place; return what the checkpoint holds beyond them."""
-        if not isinstance(state, dict) or not state:
-            raise TypeError(
-                f"{type(self).__name__} loads a checkpoint into the objects of a `state` dict, got {state!r}."
-                " HINT: call `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; for the whole file,"
-                " consolidate the directory first (`python -m lightning_zero consolidate DIR FILE`)."
-            )
+        objects of ``state``, in place; return what the checkpoint holds beyond them. As under Fabric's ``"ddp"``,
+        ``state`` may also be a module or an optimizer (``fabric.load_raw``: a file of its state dict alone), or
+        nothing: the whole checkpoint is returned, a directory's tensors whole."""
+        source = Path(self.broadcast(str(path)))
+        directory = readable_directory(source)
+        if isinstance(state, (nn.Module, Optimizer)):
+            self._load_raw(source, directory, state, strict, weights_only)
+            return {}
+        if not state:
+            if directory is None:
+                return self._read_file(source, weights_only)
+            return as_saved(whole_checkpoint(directory, Unpickling.from_weights_only(weights_only)))
         parts = FabricState.of(state)
         module = parts.module(state)
         if module is None:
@@ -191,8 +207,6 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 "The ZeRO strategies load a checkpoint into the module it was saved from, and `state` holds none."
                 " HINT: pass the module set up with `fabric.setup` in `state` too."
             )
-        source = Path(self.broadcast(str(path)))
-        directory = readable_directory(source)
         if directory is not None:
 
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
@@ -200,11 +214,37 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
             checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
         else:
-            checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
-            self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)
+            checkpoint = self._read_file(source, weights_only)
+            self.mode.load_module_state(module, parts.pop_module_state(checkpoint, source), strict)
             for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
                 self.mode.load_optimizer_state(state[key], optimizer_state)
         return parts.restore_rest(state, checkpoint, strict)
+
+    def _load_raw(
+        self,
+        source: Path,
+        directory: Path | None,
+        target: nn.Module | Optimizer,
+        strict: bool,
+        weights_only: bool | None,
+    ) -> None:
+        """``fabric.load_raw``: a file of ``target``'s whole state dict, of which each rank keeps what it holds."""
+        if directory is not None:
+            raise CheckpointError(
+                f"{source} is a checkpoint directory, and `fabric.load_raw` reads a file of one state dict."
+                " HINT: load it with `fabric.load(path, {'model': model, ...})`, or consolidate it into one file first"
+                " (`python -m lightning_zero consolidate DIR FILE`)."
+            )
+        contents = self._read_file(source, weights_only)
+        if isinstance(target, nn.Module):
+            self.mode.load_module_state(target, raw_module_state(contents), strict)
+        else:
+            self.mode.load_optimizer_state(target, contents)
+
+    def _read_file(self, source: Path, weights_only: bool | None) -> Any:
+        """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
+        check_file(source)
+        return self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

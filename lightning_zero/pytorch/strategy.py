@@ -30,7 +30,8 @@ from typing_extensions import override
 from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import ModuleOption, ZeroConfig
+from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._config import ModuleOption, StateDictType, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
@@ -75,6 +76,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         shard_group_size: hybrid sharding: shard model states within groups of this many consecutive ranks
             (``"node"``: one group per node) and replicate them across groups, so that only ``1/group`` of the
             gradient bytes cross nodes and parameter gathers stay within a node. ``None``: shard across all ranks.
+        state_dict_type: ``"sharded"`` (the default): checkpoints are directories in which each rank writes its own
+            shards; ``"full"``: one ordinary checkpoint file, written by rank 0 from tensors gathered one at a time,
+            which ``load_from_checkpoint`` and a plain ``Trainer`` read as they are (``FSDPStrategy``'s option).
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
 
@@ -99,6 +103,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         pin_memory: bool = True,
         memory_report: bool = True,
         shard_group_size: int | Literal["node"] | None = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         sharded_on_one_device: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -128,6 +133,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             pin_memory=pin_memory,
             memory_report=memory_report,
             shard_group_size=shard_group_size,
+            state_dict_type=state_dict_type,
             sharded_on_one_device=sharded_on_one_device,
         )
         super().__init__(
@@ -298,11 +304,18 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        """Every rank writes its own shards into the directory ``filepath``, published atomically when complete."""
+        """Every rank writes its own shards into the directory ``filepath``, published atomically when complete; with
+        ``state_dict_type="full"``, rank 0 writes one ordinary file there, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
-        save_directory(checkpoint, self.lightning_module, path)
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                save_directory(checkpoint, self.lightning_module, path)
+            case StateDictType.FULL:
+                whole = gathered_checkpoint(checkpoint, self.lightning_module, self.is_global_zero)
+                if self.is_global_zero:
+                    write_file(path, whole)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -316,6 +329,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         directory = readable_directory(path)
         if directory is None:
+            check_file(path)
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

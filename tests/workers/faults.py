@@ -8,8 +8,9 @@ run ended and leaves a marker file the test waits on.
 - ``strategy``: ``"zero1"``, ``"zero2"`` or ``"zero3"``;
 - ``fault``: ``"none"`` (train until the test stops or kills a rank; no validation, so that every collective of a step
   is this package's), ``"training_step"`` or ``"validation_step"`` (every rank raises ``ValueError`` there at global
-  step ``RAISE_AT``), ``"rank1_stops_in_step"`` (rank 1 stops itself with SIGSTOP at the start of ``training_step`` at
-  step ``RAISE_AT``, after writing ``OUT/rank1.stopped``: rank 0 then waits in the forward) or
+  step ``RAISE_AT``), ``"on_train_start"`` (every rank raises ``ValueError`` there, before any forward),
+  ``"rank1_stops_in_step"`` (rank 1 stops itself with SIGSTOP at the start of ``training_step`` at step ``RAISE_AT``,
+  after writing ``OUT/rank1.stopped``: rank 0 then waits in the forward) or
   ``"rank1_stops_between_steps"`` (the same once step ``RAISE_AT`` has ended: rank 0 then waits first in Lightning's
   broadcast at the start of the next step).
 
@@ -54,6 +55,10 @@ class FailingLM(TiedLM):
         if self.fault == "rank1_stops_in_step" and self.global_step == RAISE_AT:
             self._stop_rank1()
         return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        if self.fault == "on_train_start":  # before any forward, as a resume that fails to load raises
+            raise ValueError("deliberate failure in on_train_start at step 0")
 
     def on_train_batch_end(self, *args: Any) -> None:
         super().on_train_batch_end(*args)
