@@ -48,15 +48,17 @@ def consolidate_checkpoint(
     ``progress=False`` leaves it out there too.
     """
     unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
-    checkpoint = whole_checkpoint(Path(checkpoint_dir), unpickling, weights_only=weights_only)
+    checkpoint = whole_checkpoint(Path(checkpoint_dir), unpickling, weights_only=weights_only, progress=progress)
     output = Path(output_file)
     publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
     return output
 
 
-def whole_checkpoint(checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False) -> dict[str, Any]:
+def whole_checkpoint(
+    checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False, progress: bool = False
+) -> dict[str, Any]:
     """The checkpoint at ``checkpoint_dir`` as one Lightning checkpoint dict of whole tensors, read in this process
-    alone (see :func:`consolidate_checkpoint`)."""
+    alone (see :func:`consolidate_checkpoint`); ``progress`` draws a bar on a terminal while it reads."""
     path = ckpt.readable_directory(checkpoint_dir) or checkpoint_dir
     meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
