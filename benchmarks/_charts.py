@@ -48,7 +48,8 @@ def pyplot() -> Any:
 
 
 def cpu() -> str:
-    """This machine's processor and the cores this process may use, e.g. ``"AMD EPYC 7B13, 2 cores"``."""
+    """This machine's processor, the cores this process may use and the load average as the benchmark started, e.g.
+    ``"AMD EPYC 7B13, 2 cores, load 0.3"``: CPU times measured on a busy machine are not an idle one's."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,7 +58,7 @@ def cpu() -> str:
                 break
     except OSError:
         pass
-    return f"{model}, {len(os.sched_getaffinity(0))} cores"
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, load {LOAD:.1f}"
 
 
 def _revision() -> str:
@@ -74,6 +75,7 @@ def _revision() -> str:
 
 
 REVISION = _revision()  # as the benchmark starts: the code that measured, whatever changes while it runs
+LOAD = os.getloadavg()[0]  # what else the machine was running as the benchmark started, which its times reflect
 
 
 def provenance(device: str) -> str:
