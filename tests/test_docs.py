@@ -4,7 +4,7 @@ A block runs as a user runs it: written to a file and started with ``python FILE
 (a block with ``devices=2`` is relaunched by Lightning itself, as a user's script is). A block that needs GPUs is
 marked by the line :data:`GPU_ONLY` right above its fence; it is compiled, its imports run, and every attribute it
 reads from what it imports (``lightning_zero.Zero2Strategy``, ``pl.Trainer``) must exist. The API reference pages
-must document every public name.
+must document every public name, and the benchmarks' charts must be shown by the pages and stay small.
 """
 
 from __future__ import annotations
