@@ -36,7 +36,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def consolidate(checkpoint: Path, output: Path, *flags: str, terminal: bool) -> tuple[str, str]:
     """Run the command with stderr on a pseudo-terminal (``terminal``) or a pipe; return its stdout and stderr."""
-    argv = [sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags]
+    return run([sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags], terminal)
+
+
+def run(argv: list[str], terminal: bool) -> tuple[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if not terminal:
         done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -76,3 +79,15 @@ def test_consolidate_draws_a_bar_only_on_a_terminal(checkpoint: Path, tmp_path: 
     for other in weights[1:]:
         assert other.keys() == weights[0].keys()
         assert all(torch.equal(other[k], weights[0][k]) for k in other)
+
+
+def test_fabric_load_of_a_whole_checkpoint_draws_a_bar_on_a_terminal(checkpoint: Path) -> None:
+    """``fabric.load(path)`` with no ``state`` reads every tensor of a directory whole: a large one takes a while."""
+    script = (
+        "import sys; from lightning.fabric import Fabric; import lightning_zero;"
+        " fabric = Fabric(accelerator='cpu', devices=1, strategy='zero2'); fabric.launch();"
+        " print(sorted(fabric.load(sys.argv[1])['state_dict'])[:1])"
+    )
+    stdout, drawn = run([sys.executable, "-c", script, str(checkpoint)], terminal=True)
+    assert "reading checkpoint: 100%" in drawn, drawn
+    assert stdout.startswith("['"), stdout  # the weights came back

@@ -199,7 +199,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if not state:
             if directory is None:
                 return self._read_file(source, weights_only)
-            return as_saved(whole_checkpoint(directory, Unpickling.from_weights_only(weights_only)))
+            reading = whole_checkpoint(  # rank 0 draws the bar, on a terminal only
+                directory, Unpickling.from_weights_only(weights_only), progress=self.global_rank == 0
+            )
+            return as_saved(reading)
         parts = FabricState.of(state)
         module = parts.module(state)
         if module is None:
