@@ -1,6 +1,7 @@
-"""``python -m lightning_zero consolidate`` draws a progress bar on a terminal, and only there: its stderr attached to a
-pipe (a log) gets none, a pseudo-terminal (a real one, from the ``pty`` module) gets tqdm's bar, and ``--quiet``
-silences it on the terminal too. Each case is a real process consolidating a real checkpoint."""
+"""``python -m lightning_zero consolidate`` draws a progress bar on a terminal, and only there: stderr captured to a
+file (as a log is) gets none, a pseudo-terminal (a real one, from the ``pty`` module) gets tqdm's bar, and ``--quiet``
+silences it on the terminal too. Each case consolidates a real checkpoint; the terminal's cases are processes of their
+own, attached to it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_zero.__main__ import main as command_line
 from tests.workers.checkpoints import MODULE_KWARGS
 from tests.workers.modules import Classifier
 
@@ -34,17 +36,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def consolidate(checkpoint: Path, output: Path, *flags: str, terminal: bool) -> tuple[str, str]:
-    """Run the command with stderr on a pseudo-terminal (``terminal``) or a pipe; return its stdout and stderr."""
-    return run([sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags], terminal)
+def consolidate(checkpoint: Path, output: Path, *flags: str) -> tuple[str, str]:
+    """Run the command in a process whose stderr is a pseudo-terminal; return its stdout and what it drew there."""
+    return on_a_terminal([sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags])
 
 
-def run(argv: list[str], terminal: bool) -> tuple[str, str]:
+def on_a_terminal(argv: list[str]) -> tuple[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if not terminal:
-        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout, done.stderr
     controller, attached = pty.openpty()
     fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: 80 columns
     with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=attached) as proc:
@@ -64,18 +62,21 @@ def run(argv: list[str], terminal: bool) -> tuple[str, str]:
     return stdout, drawn.decode(errors="replace")
 
 
-def test_consolidate_draws_a_bar_only_on_a_terminal(checkpoint: Path, tmp_path: Path) -> None:
-    stdout, logged = consolidate(checkpoint, tmp_path / "piped.ckpt", terminal=False)
-    assert logged == "" and stdout == f"wrote {tmp_path / 'piped.ckpt'}\n"
+def test_consolidate_draws_a_bar_only_on_a_terminal(
+    checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert command_line(["consolidate", str(checkpoint), str(tmp_path / "logged.ckpt")]) == 0
+    logged = capfd.readouterr()  # file descriptors 1 and 2, as a log file receives them
+    assert logged.err == "" and logged.out == f"wrote {tmp_path / 'logged.ckpt'}\n"
 
-    stdout, drawn = consolidate(checkpoint, tmp_path / "terminal.ckpt", terminal=True)
+    stdout, drawn = consolidate(checkpoint, tmp_path / "terminal.ckpt")
     assert "reading checkpoint: 100%" in drawn and "\r" in drawn, drawn  # tqdm redraws the line in place
     assert stdout == f"wrote {tmp_path / 'terminal.ckpt'}\n"
 
-    stdout, drawn = consolidate(checkpoint, tmp_path / "quiet.ckpt", "--quiet", terminal=True)
+    stdout, drawn = consolidate(checkpoint, tmp_path / "quiet.ckpt", "--quiet")
     assert drawn == "" and stdout == "", drawn
 
-    weights = [torch.load(tmp_path / f"{name}.ckpt")["state_dict"] for name in ("piped", "terminal", "quiet")]
+    weights = [torch.load(tmp_path / f"{name}.ckpt")["state_dict"] for name in ("logged", "terminal", "quiet")]
     for other in weights[1:]:
         assert other.keys() == weights[0].keys()
         assert all(torch.equal(other[k], weights[0][k]) for k in other)
@@ -88,6 +89,6 @@ def test_fabric_load_of_a_whole_checkpoint_draws_a_bar_on_a_terminal(checkpoint:
         " fabric = Fabric(accelerator='cpu', devices=1, strategy='zero2'); fabric.launch();"
         " print(sorted(fabric.load(sys.argv[1])['state_dict'])[:1])"
     )
-    stdout, drawn = run([sys.executable, "-c", script, str(checkpoint)], terminal=True)
+    stdout, drawn = on_a_terminal([sys.executable, "-c", script, str(checkpoint)])
     assert "reading checkpoint: 100%" in drawn, drawn
     assert stdout.startswith("['"), stdout  # the weights came back
