@@ -67,7 +67,7 @@ def test_every_marker_stands_above_a_python_block() -> None:
     """A misspelt or misplaced marker would leave a block unchecked, or check one it was not meant for."""
     for path in markdown_files():
         text = path.read_text()
-        markers = text.count(GPU_ONLY)
+        markers = sum(line.strip() == GPU_ONLY for line in text.splitlines())
         assert markers == sum(b.gpu_only for b in blocks_of(path)), f"{path}: a {GPU_ONLY} not right above ```python"
     assert len(distinct(gpu_only=False)) >= 3 and len(distinct(gpu_only=True)) >= 2
 
