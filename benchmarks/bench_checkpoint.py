@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 from unittest.mock import patch
 
+import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=4096, help="width of the square linear layers")
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (torchrun's count wins)")
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)  # set by the launcher for its workers
+    _charts.add_chart_argument(parser, "checkpoint")
     args = parser.parse_args(argv)
     if args.params_millions <= 0 or args.width < 1 or args.world_size < 1:
         parser.error("--params-millions, --width and --world-size must be positive")
@@ -348,6 +350,41 @@ def checksum_lines(results: list[dict[str, float | None]]) -> list[str]:
     return lines
 
 
+def chart(rows: list[Measurement], results: list[dict[str, float | None]], args: argparse.Namespace) -> None:
+    """Each process's seconds and peak RSS (the table), and each rank's save and load with and without checksums."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, (processes, checks) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [row.what.split(":")[0] for row in rows][::-1]
+    for y, row in enumerate(rows[::-1]):
+        first = y == 0
+        processes.barh(y + 0.2, row.seconds, 0.4, color="#1f77b4", edgecolor="black", label="s" if first else None)
+        processes.barh(y - 0.2, (row.peak_rss or 0) / GIB, 0.4, color="#ff7f0e", edgecolor="black",
+                       label="peak RSS, GiB" if first else None)  # fmt: skip
+    processes.set_yticks(range(len(names)), names, fontsize=8)
+    processes.legend(fontsize=8)
+    pairs = {"save": ("save_seconds", "save_unchecked_seconds"), "load": ("load_seconds", "load_unchecked_seconds")}
+    labels: list[str] = []
+    for rank, result in enumerate(results):
+        for what, (checked, bare) in pairs.items():
+            x = len(labels)
+            checks.bar(x - 0.2, float(result[bare]), 0.4, color="#7f7f7f", edgecolor="black",
+                       label="without checksums" if x == 0 else None)  # fmt: skip
+            checks.bar(x + 0.2, float(result[checked]), 0.4, color="#2ca02c", edgecolor="black",
+                       label="with checksums" if x == 0 else None)  # fmt: skip
+            labels.append(f"{what}\nrank {rank}")
+    checks.set_xticks(range(len(labels)), labels, fontsize=8)
+    highest = max(float(r[k]) for r in results for keys in pairs.values() for k in keys)
+    checks.set(ylabel="seconds (median of rounds)", ylim=(0, highest * 1.3))
+    checks.legend(fontsize=8)
+    for axes in (processes, checks):
+        axes.grid(alpha=0.3)
+    psi = layer_count(args) * (args.width * args.width + args.width)
+    figure.suptitle(f"A zero2 checkpoint of {psi / 1e6:.0f} M parameters with Adam: save, consolidate, checksums")
+    _charts.save(figure, args.chart, f"{_charts.cpu()} ({args.world_size} CPU ranks)")
+
+
 def file_sizes(checkpoint: Path) -> list[str]:
     """Every file of the checkpoint directory; DCP names rank r's shard file ``__r_0.distcp``."""
     lines = ["| file | GiB | bytes |", "|---|---|---|"]
@@ -383,6 +420,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[str]:
     (workdir / "full.ckpt").unlink()  # measured; free the disk before the next one
     weights = consolidate("consolidate --weights-only", checkpoint, workdir / "weights.ckpt", "--weights-only")
     (workdir / "weights.ckpt").unlink()
+    chart([*saves, baseline, full, weights], results, args)
     return [
         setup_line(args),
         "",

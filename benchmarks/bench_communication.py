@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
+from benchmarks import _charts
 from lightning_zero._transport.traffic import TRAFFIC
 from tests.launch import launch
 
@@ -119,6 +120,42 @@ def measured_table(by_world_size: dict[int, dict]) -> tuple[list[str], dict[str,
     return lines, multiples
 
 
+def chart(by_world_size: dict[int, dict], path: Path) -> None:
+    """Each stage's volume per step at each N, one stacked bar per collective kind, in units of Psi x 4 B, beside
+    the paper's figure."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    shades = {"reduce_scatter": 1.0, "all_gather": 0.6, "all_reduce": 0.3}
+    labels, x = [], 0
+    for world_size, data in by_world_size.items():
+        psi_bytes = 4 * data["psi"]
+        for strategy in STRATEGIES:
+            step = data["results"][strategy][0]
+            bottom = 0.0
+            for kind, alpha in shades.items():
+                height = step.get(kind, 0) * (2 if kind == "all_reduce" else 1) / psi_bytes
+                axes.bar(x, height, bottom=bottom, color=_charts.color(strategy), alpha=alpha, edgecolor="black",
+                         linewidth=0.5)  # fmt: skip
+                bottom += height
+            axes.hlines(PAPER[strategy], x - 0.4, x + 0.4, colors="black", linestyles="dashed")
+            labels.append(f"{strategy}\nN={world_size}")
+            x += 1
+        x += 0.5
+    positions = [i + 0.5 * (i // len(STRATEGIES)) for i in range(len(labels))]
+    axes.set_xticks(positions, labels, fontsize=8)
+    legend = [plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", alpha=a) for a in shades.values()]
+    legend.append(plt.Line2D([], [], color="black", linestyle="dashed"))
+    names = ["reduce-scatter (B)", "all-gather (B)", "all-reduce (2 B)", "the ZeRO paper"]
+    axes.legend(legend, names, fontsize=8, loc="upper left")
+    axes.set(ylabel="volume per step / (Psi x 4 B)", ylim=(0, 3.6),
+             title=f"Communication per step by collective, Psi = {by_world_size[next(iter(by_world_size))]['psi']:,}"
+             " fp32 parameters, Adam")  # fmt: skip
+    axes.grid(axis="y", alpha=0.3)
+    _charts.save(figure, path, f"{_charts.cpu()} (CPU ranks; counted in the collectives)")
+
+
 def predicted_table(multiples: dict[str, float], args: argparse.Namespace) -> list[str]:
     volumes = {"ddp": 2.0, **multiples}
     lines = [
@@ -149,6 +186,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, nargs="+", default=[25.0, 100.0, 450.0], help="GB/s per GPU link")
     parser.add_argument("--predict-ranks", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    _charts.add_chart_argument(parser, "communication")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
@@ -163,6 +201,7 @@ def main() -> None:
     print(f"Measured on CPU ranks, Psi = {psi:,} fp32 parameters, Adam:\n", flush=True)
     print("\n".join(lines), flush=True)
     print("\n" + "\n".join(predicted_table(multiples, args)), flush=True)
+    chart(by_world_size, args.chart)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
+from benchmarks import _charts
 from lightning_zero.memory import engine_of, measure
 from tests.launch import launch
 
@@ -102,16 +103,22 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
+def points(ranks: list[dict[str, dict[str, int]]], strategy: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """What the rank holding the most holds at each of the two depths."""
+    small, large = args.layers
+    a, b = (max((r[f"{strategy}/{n}"] for r in ranks), key=lambda x: x["total"]) for n in (small, large))
+    return a, b
+
+
 def report(ranks: list[dict[str, dict[str, int]]], args: argparse.Namespace) -> list[str]:
     """Per strategy: the rank holding the most at each depth, and the line through the two points."""
-    small, large = args.layers
     lines = [
         "| strategy | Psi | held MiB | model state MiB | retained comm buffers MiB | other MiB | bytes per added"
         " parameter | intercept MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for strategy in args.strategies:
-        a, b = (max((r[f"{strategy}/{n}"] for r in ranks), key=lambda x: x["total"]) for n in (small, large))
+        a, b = points(ranks, strategy, args)
         slope = (b["total"] - a["total"]) / (b["psi"] - a["psi"])
         intercept = a["total"] - slope * a["psi"]
         for point, fit in ((a, f"{slope:.2f} | {intercept / MIB:.1f}"), (b, " | ")):
@@ -123,11 +130,33 @@ def report(ranks: list[dict[str, dict[str, int]]], args: argparse.Namespace) -> 
     return lines
 
 
+def chart(ranks: list[dict[str, dict[str, int]]], args: argparse.Namespace) -> None:
+    """MiB held against Psi: each strategy's two measured points, and their line drawn back to its intercept."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for strategy in args.strategies:
+        a, b = points(ranks, strategy, args)
+        slope = (b["total"] - a["total"]) / (b["psi"] - a["psi"])
+        intercept = a["total"] - slope * a["psi"]
+        xs = [0, a["psi"] / 1e6, b["psi"] / 1e6]
+        axes.plot(xs, [intercept / MIB, a["total"] / MIB, b["total"] / MIB], "--", color=_charts.color(strategy))
+        axes.plot(xs[1:], [a["total"] / MIB, b["total"] / MIB], "o-", color=_charts.color(strategy),
+                  label=f"{strategy}: {slope:.2f} B per parameter + {intercept / MIB:.0f} MiB")  # fmt: skip
+    axes.set(xlabel="Psi (millions of parameters)", ylabel="MiB held per rank (largest rank)", xlim=(0, None),
+             ylim=(0, None), title="What a rank holds against the model's size: slope and intercept")  # fmt: skip
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    _charts.save(figure, args.chart, f"{_charts.cpu()} (2 CPU ranks)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 8], help="the two depths (encoder and decoder)")
     parser.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3"])
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    _charts.add_chart_argument(parser, "fixed_memory")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
@@ -137,6 +166,7 @@ def main() -> None:
         launch("benchmarks.bench_fixed_memory", argv, 2, timeout=3000)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
     print("\n".join(report(ranks, args)), flush=True)
+    chart(ranks, args)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from benchmarks import _charts
 from example_modules.gpt import SIZES, Block, GPTLanguageModel
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed2", "deepspeed3")
@@ -171,6 +172,28 @@ def table(args: argparse.Namespace, results: dict[tuple[str, str], list[dict[str
     return "\n".join(lines)
 
 
+def chart(args: argparse.Namespace, results: dict[tuple[str, str], list[dict[str, Any]]], device: str) -> None:
+    """Tokens/s and peak device memory of each strategy at each size, from the table's numbers."""
+    plt = _charts.pyplot()
+    if plt is None or not results:
+        return
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    for axes, value, label in (
+        (speed, lambda size, runs: args.batch_size * SIZES[size].seq_len / statistics.median(r["step_s"] for r in runs),
+         "tokens/s (median)"),
+        (memory, lambda size, runs: max(r["peak_bytes"] for r in runs) / 2**30, "peak device memory, GiB"),
+    ):  # fmt: skip
+        labels = []
+        for (size, strategy), runs in results.items():
+            axes.bar(len(labels), value(size, runs), color=_charts.color(strategy), edgecolor="black")
+            labels.append(f"{strategy}\n{size}")
+        axes.set_xticks(range(len(labels)), labels, fontsize=7, rotation=90)
+        axes.set(ylabel=label)
+        axes.grid(axis="y", alpha=0.3)
+    figure.suptitle(f"The example GPT on one device, {args.precision}, batch {args.batch_size}")
+    _charts.save(figure, args.chart, _charts.cpu() if device == "cpu" else device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["gpt2-small", "gpt2-medium"], choices=list(SIZES))
@@ -186,6 +209,7 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)  # in a measuring process: the strategy
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    _charts.add_chart_argument(parser, "gpu")
     args = parser.parse_args()
     if args.run is not None:
         args.json.write_text(json.dumps(run_one(args)))
@@ -212,6 +236,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+    chart(args, results, device)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from benchmarks import _charts
 from benchmarks.bench_communication import MLP
 from lightning_zero import ZeroStrategy
 from lightning_zero._transport.traffic import TRAFFIC
@@ -59,6 +60,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
+def grads(step: dict[str, int]) -> float:
+    """MiB of gradients sent to other nodes: reduce-scattered (full sharding) or all-reduced as shards (hybrid)."""
+    return (step.get("reduce_scatter", 0) + step.get("all_reduce", 0)) / 2**20
+
+
+def gathers(step: dict[str, int]) -> float:
+    """MiB of parameters gathered from other nodes."""
+    return step.get("all_gather", 0) / 2**20
+
+
 def table(layouts: dict[str, dict]) -> list[str]:
     lines = [
         "| nodes x devices | stage | gradients MiB: full -> hybrid | parameter gathers MiB: full -> hybrid"
@@ -68,13 +79,6 @@ def table(layouts: dict[str, dict]) -> list[str]:
     for layout, data in layouts.items():
         for stage in STAGES:
             full, hybrid = (data["results"][f"zero{stage}/{label}"][0] for label in SHARDINGS)
-
-            def grads(step: dict[str, int]) -> float:
-                return (step.get("reduce_scatter", 0) + step.get("all_reduce", 0)) / 2**20
-
-            def gathers(step: dict[str, int]) -> float:
-                return step.get("all_gather", 0) / 2**20
-
             ratio = (grads(hybrid) + gathers(hybrid)) / (grads(full) + gathers(full))
             lines.append(
                 f"| {layout} | zero{stage} | {grads(full):.2f} -> {grads(hybrid):.2f}"
@@ -83,11 +87,50 @@ def table(layouts: dict[str, dict]) -> list[str]:
     return lines
 
 
+def chart(layouts: dict[str, dict], path: Path) -> None:
+    """MiB rank 0 sends to other nodes per step, full sharding beside hybrid for each layout and stage, gradients
+    and parameter gathers stacked."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    labels, positions, x = [], [], 0.0
+    for layout, data in layouts.items():
+        for stage in STAGES:
+            for offset, label in ((-0.2, "full"), (0.2, "hybrid")):
+                step = data["results"][f"zero{stage}/{label}"][0]
+                hatch = "//" if label == "hybrid" else None
+                color = _charts.color(f"zero{stage}")
+                axes.bar(x + offset, grads(step), 0.4, color=color, hatch=hatch, edgecolor="black", linewidth=0.5)
+                axes.bar(x + offset, gathers(step), 0.4, bottom=grads(step), color=color, alpha=0.4, hatch=hatch,
+                         edgecolor="black", linewidth=0.5)  # fmt: skip
+            labels.append(f"zero{stage}\n{layout}")
+            positions.append(x)
+            x += 1
+        x += 0.5
+    axes.set_xticks(positions, labels, fontsize=8)
+    legend = [
+        plt.Rectangle((0, 0), 1, 1, facecolor="#bbbbbb", edgecolor="black"),
+        plt.Rectangle((0, 0), 1, 1, facecolor="#bbbbbb", alpha=0.4, edgecolor="black"),
+        plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black"),
+        plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"),
+    ]
+    names = ["gradients", "parameter gathers", "full sharding (left)", 'hybrid, shard_group_size="node" (right)']
+    axes.legend(legend, names, fontsize=8)
+    psi = layouts[next(iter(layouts))]["psi"]
+    highest = max(grads(s) + gathers(s) for data in layouts.values() for runs in data["results"].values() for s in runs)
+    axes.set(ylabel="MiB rank 0 sends to other nodes per step", ylim=(0, highest * 1.5),
+             title=f"Bytes crossing nodes per step (nodes x devices), Psi = {psi:,} fp32 parameters")  # fmt: skip
+    axes.grid(axis="y", alpha=0.3)
+    _charts.save(figure, path, f"{_charts.cpu()} (nodes simulated by CPU processes)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["2x2", "2x4"], help="NODESxDEVICES")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    _charts.add_chart_argument(parser, "hybrid")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
@@ -104,6 +147,7 @@ def main() -> None:
     print(f"Bytes rank 0 sends to other nodes per step, Psi = {psi:,} fp32 parameters (Psi x 4 B ="
           f" {psi * 4 / 2**20:.2f} MiB):\n", flush=True)
     print("\n".join(table(layouts)), flush=True)
+    chart(layouts, args.chart)
 
 
 if __name__ == "__main__":

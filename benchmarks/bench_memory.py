@@ -41,6 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks import _charts
 from lightning_zero import ZeroStrategy
 from lightning_zero.memory import engine_of, measure, storage_bytes
 from tests.launch import launch
@@ -106,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps before measuring")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)  # set by the launcher for its workers
+    _charts.add_chart_argument(parser, "memory")
     args = parser.parse_args(argv)
     for name in ("hidden", "layers", "steps", "batch_size"):
         if getattr(args, name) < 1:
@@ -195,6 +197,31 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / MIB:.2f}"
 
 
+def largest_total(ranks: list[dict[str, dict[str, int]]], mode: Mode) -> int:
+    """The model-state bytes of the rank that holds the most under ``mode`` (the one a memory limit is about)."""
+    return max(r[mode.label]["total"] for r in ranks)
+
+
+def chart(measured: dict[int, list[dict[str, dict[str, int]]]], psi: int, path: Path) -> None:
+    """Per-rank MiB against N: each mode's formula as a line, the measured largest rank as points on it."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    ns = sorted(measured)
+    line = range(1, max(ns) * 2 + 1)
+    for mode in MODES:
+        name = mode.label.split(" ")[0].rstrip(",")
+        axes.plot(line, [mode.bytes_per_param(n) * psi / MIB for n in line], color=_charts.color(name), alpha=0.5,
+                  label=f"{mode.label}: {mode.formula}")  # fmt: skip
+        axes.plot(ns, [largest_total(measured[n], mode) / MIB for n in ns], "o", color=_charts.color(name))
+    title = f"Model state per rank, Psi = {psi / 1e6:.2f} M, Adam: measured (points), formulas (lines)"
+    axes.set(xlabel="N (ranks)", ylabel="model state per rank (MiB)", xticks=list(line), ylim=(0, None), title=title)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    _charts.save(figure, path, f"{_charts.cpu()} (CPU ranks, gloo)")
+
+
 def table(ranks: list[dict[str, dict[str, int]]], psi: int) -> list[str]:
     """One row per mode, for the rank that holds the most (the one a memory limit is about)."""
     n = len(ranks)
@@ -246,13 +273,16 @@ def main() -> None:
         worker(args)
         return
     psi = num_params(args)
+    measured = {}
     for world_size in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             launch("benchmarks.bench_memory", [*_worker_argv(args), "--out-dir", tmp], world_size)
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
+        measured[world_size] = ranks
         print(f"\n### N = {world_size} processes, Psi = {psi:,} parameters\n", flush=True)
         print("\n".join(table(ranks, psi)), flush=True)
     print("\n" + "\n\n".join(notes(psi, args)), flush=True)
+    chart(measured, psi, args.chart)
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _charts
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,7 +63,7 @@ def _plain_optimizer(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(module.parameters(), lr=1e-4)
 
 
-def bench_step(num_params: float, rounds: int) -> None:
+def bench_step(num_params: float, rounds: int, chart: Path) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -90,6 +91,28 @@ def bench_step(num_params: float, rounds: int) -> None:
         median = numel / statistics.median(times)
         print(f"| {name} | {median / 1e6:.1f} | {rates[0]:.1f}-{rates[-1]:.1f} | {median / baseline:.2f}x |")
     dist.destroy_process_group()
+    rates = {name: sorted(numel / t / 1e6 for t in times) for name, times in seconds.items()}
+    step_chart(rates, f"Adam step on {numel / 1e6:.1f} M fp32 parameters, {torch.get_num_threads()} threads", chart)
+
+
+def step_chart(rates: dict[str, list[float]], title: str, path: Path) -> None:
+    """Parameters updated per second by each step: the median as a bar, the rounds' range as a line."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(figsize=(8, 2.8))
+    baseline = statistics.median(next(iter(rates.values())))
+    for y, sorted_rates in enumerate(rates.values()):
+        median = statistics.median(sorted_rates)
+        spread = [[median - sorted_rates[0]], [sorted_rates[-1] - median]]
+        axes.barh(y, median, xerr=spread, color=("#7f7f7f", "#ff7f0e")[y % 2], edgecolor="black", capsize=4)
+        axes.text(sorted_rates[-1], y, f"  {median:,.1f} ({median / baseline:.2f}x)", va="center", fontsize=8)
+    axes.set_yticks(range(len(rates)), list(rates))
+    lowest, highest = min(r[0] for r in rates.values()), max(r[-1] for r in rates.values())
+    axes.set(xlabel="M parameters updated per second (median; range over rounds), log scale", title=title,
+             xscale="log", xlim=(lowest / 2, highest * 4))  # fmt: skip
+    axes.grid(axis="x", alpha=0.3)
+    _charts.save(figure, path, f"{_charts.cpu()}")
 
 
 # --- one GPU: bytes per parameter with and without offload -----------------------------------------------------------
@@ -176,10 +199,10 @@ def trial(config: str, width: int, layers: int) -> dict[str, Any]:
     }
 
 
-def bench_capacity(width: int, layers: int, configs: list[str]) -> None:
+def bench_capacity(width: int, layers: int, configs: list[str], chart: Path) -> None:
     device_total = torch.cuda.get_device_properties(0).total_memory
     host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    rows = []
+    rows, measured = [], {}
     for config in configs:
         done = subprocess.run(
             [sys.executable, __file__, "trial", "--config", config, "--width", str(width), "--layers", str(layers)],
@@ -195,6 +218,7 @@ def bench_capacity(width: int, layers: int, configs: list[str]) -> None:
         device_per, host_per = result["device_peak"] / params, result["host_peak"] / params
         largest = min(device_total / device_per, host_total / host_per) / 1e9
         bound = "GPU" if device_total / device_per < host_total / host_per else "host"
+        measured[CONFIGS[config][0]] = (device_per, host_per, largest, bound)
         held = " / ".join(f"{result['held_gib'][k]:.1f}" for k in ("start", "backward", "step"))
         rows.append(
             f"| {CONFIGS[config][0]} | {device_per:.2f} | {held} | {host_per:.2f} | {result['step_seconds']:.2f} |"
@@ -209,6 +233,31 @@ def bench_capacity(width: int, layers: int, configs: list[str]) -> None:
     )
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
+    title = f"{layers * (width * width + width) / 1e9:.2f} B-parameter residual MLP, Adam, on one GPU"
+    capacity_chart(measured, title, f"{name}, {device_total / 2**30:.0f} GiB; {host_total / 2**30:.0f} GiB host", chart)
+
+
+def capacity_chart(measured: dict[str, tuple[float, float, float, str]], title: str, device: str, path: Path) -> None:
+    """Bytes per parameter on the device and on the host for each configuration, and the largest model they allow."""
+    plt = _charts.pyplot()
+    if plt is None or not measured:
+        return
+    figure, (per_param, largest) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    names = list(measured)[::-1]
+    for y, name in enumerate(names):
+        device_per, host_per, billions, bound = measured[name]
+        per_param.barh(y + 0.2, device_per, 0.4, color="#2ca02c", edgecolor="black", label="GPU" if y == 0 else None)
+        per_param.barh(y - 0.2, host_per, 0.4, color="#1f77b4", edgecolor="black", label="host" if y == 0 else None)
+        largest.barh(y, billions, color="#2ca02c" if bound == "GPU" else "#1f77b4", edgecolor="black")
+        largest.text(billions, y, f"  {billions:.1f} B ({bound} memory)", va="center", fontsize=8)
+    per_param.set_yticks(range(len(names)), names)
+    per_param.set(xlabel="bytes per parameter (peak)")
+    per_param.legend(fontsize=8)
+    largest.set(xlabel="largest model, billions of parameters", xlim=(0, max(m[2] for m in measured.values()) * 1.5))
+    for axes in (per_param, largest):
+        axes.grid(axis="x", alpha=0.3)
+    figure.suptitle(title)
+    _charts.save(figure, path, device)
 
 
 def main() -> None:
@@ -217,10 +266,12 @@ def main() -> None:
     step = sub.add_parser("step")
     step.add_argument("--params", type=float, default=100e6)
     step.add_argument("--rounds", type=int, default=5)
+    _charts.add_chart_argument(step, "offload_step")
     capacity = sub.add_parser("capacity")
     capacity.add_argument("--width", type=int, default=8192)
     capacity.add_argument("--layers", type=int, default=16)
     capacity.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    _charts.add_chart_argument(capacity, "offload_capacity")
     one = sub.add_parser("trial")
     one.add_argument("--config", choices=list(CONFIGS), required=True)
     one.add_argument("--width", type=int, required=True)
@@ -228,9 +279,9 @@ def main() -> None:
     args = parser.parse_args()
     match args.command:
         case "step":
-            bench_step(args.params, args.rounds)
+            bench_step(args.params, args.rounds, args.chart)
         case "capacity":
-            bench_capacity(args.width, args.layers, args.configs)
+            bench_capacity(args.width, args.layers, args.configs, args.chart)
         case "trial":
             print(json.dumps(trial(args.config, args.width, args.layers)))
 

@@ -47,6 +47,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import IO, Any
 
+import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -90,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2, help="processes to start (torchrun's count wins)")
     parser.add_argument("--profile", action="store_true", help="after the rounds, profile one run per strategy")
     parser.add_argument("--strategies", default=",".join(STRATEGIES) + ",fsdp2", help="comma-separated subset")
+    _charts.add_chart_argument(parser, "strategies")
     args = parser.parse_args(argv)
     chosen = [PEER if name == "fsdp2" else name for name in args.strategies.split(",")]
     unknown = sorted(set(chosen) - set(NAMES))
@@ -311,6 +313,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
         print(report(everyone, args), flush=True)
+        chart(everyone, args)
     if args.profile:
         for name in args.strategies:
             profile = Profile(args.warmup, args.steps)
@@ -366,17 +369,58 @@ def summary_table(runs: Runs, names: list[str], rounds: int) -> list[str]:
     return lines
 
 
-def phase_table(runs: Runs, names: list[str]) -> list[str]:
+def phase_ms(runs: Runs, name: str) -> list[float]:
     """Milliseconds per step in each phase: the median over every rank and round of each run's median."""
+    results = [r for (strategy, _), ranks in runs.items() if strategy == name for r in ranks]
+    return [statistics.median(r["phase_ms"][phase] for r in results) for phase in PHASES]
+
+
+def phase_table(runs: Runs, names: list[str]) -> list[str]:
     lines = [
         f"| ms/step | {' | '.join(PHASES.values())} | sum |",
         f"|---|{'---|' * (len(PHASES) + 1)}",
     ]
     for name in names:
-        results = [r for (strategy, _), ranks in runs.items() if strategy == name for r in ranks]
-        ms = [statistics.median(r["phase_ms"][phase] for r in results) for phase in PHASES]
+        ms = phase_ms(runs, name)
         lines.append(f"| {name} | {' | '.join(f'{t:.1f}' for t in ms)} | {sum(ms):.1f} |")
     return lines
+
+
+def chart(everyone: list[list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Where each strategy's step time goes (the phase table), beside what a rank holds (the memory columns)."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    runs: Runs = {}
+    for rank_results in everyone:
+        for result in rank_results:
+            runs.setdefault((result["strategy"], result["round"]), []).append(result)
+    names = args.strategies[::-1]  # top to bottom in the order given
+    figure, (time_axes, memory_axes) = plt.subplots(1, 2, figsize=(10, 4.8), sharey=True)
+    for parts, axes, shades, unit in (
+        ({name: phase_ms(runs, name) for name in names}, time_axes, list(PHASES.values()), "ms per step (median)"),
+        (
+            {name: [max(r[k] for r in runs[name, args.rounds - 1]) / MIB for k in ("params", "grads", "optimizer",
+                                                                                  "pool")] for name in names},
+            memory_axes,
+            ["parameters", "gradients", "optimizer state", "ZeRO comm pool"],
+            "MiB per rank (largest rank)",
+        ),
+    ):  # fmt: skip
+        for y, name in enumerate(names):
+            left = 0.0
+            for i, value in enumerate(parts[name]):
+                axes.barh(y, value, left=left, color=_charts.color(name), alpha=1.0 - 0.22 * i, edgecolor="black",
+                          linewidth=0.5)  # fmt: skip
+                left += value
+        axes.set(xlabel=unit, xlim=(0, max(sum(p) for p in parts.values()) * 1.05))
+        legend = [plt.Rectangle((0, 0), 1, 1, facecolor="#555555", alpha=1.0 - 0.22 * i) for i in range(len(shades))]
+        axes.legend(legend, shades, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        axes.grid(axis="x", alpha=0.3)
+    time_axes.set_yticks(range(len(names)), names)
+    psi, n = everyone[0][0]["num_params"], len(everyone)
+    figure.suptitle(f"Residual MLP, Psi = {psi / 1e6:.1f} M fp32, Adam, batch {args.batch_size} per rank, N = {n}")
+    _charts.save(figure, args.chart, f"{_charts.cpu()} (CPU ranks)")
 
 
 def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:

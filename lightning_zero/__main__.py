@@ -1,9 +1,9 @@
 """Command line.
 
-``python -m lightning_zero consolidate CHECKPOINT_DIR OUTPUT_FILE [--weights-only] [--trust-pickle]`` writes a
-sharded checkpoint directory as one ordinary file. ``--trust-pickle`` lets a checkpoint you trust import and run what
+``python -m lightning_zero consolidate CHECKPOINT_DIR OUTPUT_FILE [--weights-only] [--trust-pickle] [--quiet]`` writes
+a sharded checkpoint directory as one ordinary file. ``--trust-pickle`` lets a checkpoint you trust import and run what
 its pickled files name (custom classes among its hyper-parameters, say); without it only tensors, plain containers and
-DCP's own classes load.
+DCP's own classes load. On a terminal a progress bar shows the reading; ``--quiet`` prints nothing but errors.
 
 ``python -m lightning_zero estimate (--params 7.5e9 | --module CLASS_PATH [--ARG VALUE ...]) --ranks 64 [--nodes 8]
 [--precision bf16-true --master-weights] [--offload] [--optimizer adam]`` prints the model-state bytes per rank and
@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="let the checkpoint's pickled files import and run what they name: only for a checkpoint you trust",
     )
+    consolidate.add_argument(
+        "--quiet", action="store_true", help="print nothing but errors (no progress bar, which logs never get anyway)"
+    )
     _add_estimate_parser(commands)
     args, extra = parser.parse_known_args(argv)
     if args.command == "estimate":
@@ -45,12 +48,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         output = consolidate_checkpoint(
-            args.checkpoint_dir, args.output_file, weights_only=args.weights_only, trust_pickle=args.trust_pickle
+            args.checkpoint_dir,
+            args.output_file,
+            weights_only=args.weights_only,
+            trust_pickle=args.trust_pickle,
+            progress=not args.quiet,
         )
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {output}")
+    if not args.quiet:
+        print(f"wrote {output}")
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_zero import _progress
 from lightning_zero._checkpoint import directory as ckpt
 from lightning_zero._checkpoint import keys, publish
 from lightning_zero._checkpoint.unpickling import Unpickling
@@ -29,6 +30,7 @@ def consolidate_checkpoint(
     *,
     weights_only: bool = False,
     trust_pickle: bool = False,
+    progress: bool = True,
 ) -> Path:
     """Write the checkpoint at ``checkpoint_dir`` as one Lightning checkpoint file with full fp32-or-native weights.
 
@@ -41,23 +43,29 @@ def consolidate_checkpoint(
     import and run what its pickles name, as ``torch.load(weights_only=False)`` does: only for checkpoints you trust.
     The shard files are checked while they are read, and nothing is written before every check has passed; the
     output is never half-written (see :func:`~lightning_zero._checkpoint.publish.publish_file`).
+
+    While it reads, a progress bar is drawn on stderr if stderr is a terminal (never into a log or a pipe);
+    ``progress=False`` leaves it out there too.
     """
     unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
-    checkpoint = whole_checkpoint(Path(checkpoint_dir), unpickling, weights_only=weights_only)
+    checkpoint = whole_checkpoint(Path(checkpoint_dir), unpickling, weights_only=weights_only, progress=progress)
     output = Path(output_file)
     publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
     return output
 
 
-def whole_checkpoint(checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False) -> dict[str, Any]:
+def whole_checkpoint(
+    checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False, progress: bool = False
+) -> dict[str, Any]:
     """The checkpoint at ``checkpoint_dir`` as one Lightning checkpoint dict of whole tensors, read in this process
-    alone (see :func:`consolidate_checkpoint`)."""
+    alone (see :func:`consolidate_checkpoint`); ``progress`` draws a bar on a terminal while it reads."""
     path = ckpt.readable_directory(checkpoint_dir) or checkpoint_dir
     meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
-    read = partial(_read, path, metadata, unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
     entries = metadata.state_dict_metadata
-    with shard_check.overlapping():
+    reading = _progress.progress(_bytes_to_read(entries, weights_only), f"reading {path.name}", shown=progress)
+    with shard_check.overlapping(), reading as advance:
+        read = partial(_read, path, metadata, unpickling, advance)
         checkpoint["state_dict"] = {fqn: read(keys.model_key(fqn)) for fqn in keys.model_entries(entries)}
         if not weights_only:
             checkpoint["optimizer_states"] = [
@@ -70,7 +78,7 @@ def whole_checkpoint(checkpoint_dir: Path, unpickling: Unpickling, *, weights_on
     return checkpoint
 
 
-def _read(path: Path, metadata: Metadata, unpickling: Unpickling, key: str) -> Any:
+def _read(path: Path, metadata: Metadata, unpickling: Unpickling, advance: Callable[[int], object], key: str) -> Any:
     entry = metadata.state_dict_metadata[key]
     if isinstance(entry, TensorStorageMetadata):
         value: Any = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
@@ -80,7 +88,20 @@ def _read(path: Path, metadata: Metadata, unpickling: Unpickling, key: str) -> A
     with warnings.catch_warnings():  # DCP says it assumes one process; that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         ckpt.load(holder, path, metadata, unpickling, no_dist=True)
+    advance(_nbytes(entry))
     return holder[key]
+
+
+def _bytes_to_read(entries: dict[str, Any], weights_only: bool) -> int:
+    """The tensor bytes consolidation reads: the model's, and with the optimizer state every other entry's."""
+    wanted = {keys.model_key(fqn) for fqn in keys.model_entries(entries)} if weights_only else entries.keys()
+    return sum(_nbytes(entries[key]) for key in wanted)
+
+
+def _nbytes(entry: Any) -> int:
+    if not isinstance(entry, TensorStorageMetadata):
+        return 0  # a pickled object: small beside the tensors
+    return entry.size.numel() * entry.properties.dtype.itemsize
 
 
 def _optimizer_state(

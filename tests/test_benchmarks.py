@@ -1,10 +1,13 @@
-"""The GPU benchmark's own code runs, on the CPU: so a machine with a GPU measures instead of debugging the script."""
+"""The GPU benchmark's own code runs, on the CPU: so a machine with a GPU measures instead of debugging the script, and
+draws its chart."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +17,7 @@ def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "benchmarks.bench_gpu", "--device", "cpu", "--sizes", "tiny", "--precision", "32-true",
         "--strategies", "ddp,zero1,zero2,zero3", "--steps", "2", "--warmup", "1", "--rounds", "1", "--batch-size", "2",
-        "--out", str(table),
+        "--out", str(table), "--chart", str(tmp_path / "gpu.png"),
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -24,3 +27,15 @@ def test_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
         assert float(row[2].replace(",", "")) > 0  # tokens/s
     assert rows[0][3] == "1.000"  # ddp against itself
     assert "failed" not in done.stdout, done.stdout
+    assert (tmp_path / "gpu.png").read_bytes().startswith(b"\x89PNG"), done.stdout  # the chart, from the same runs
+
+
+def test_offload_capacity_chart_is_drawn_from_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity benchmark needs a CUDA GPU; its chart's code runs here on rows shaped as it measures them (two of
+    the table in docs/guides/offload.md: device and host bytes per parameter, largest model, what bounds it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the benchmark runs as a script, beside its helpers
+    import bench_offload
+
+    rows = {"plain (no ZeRO), fp32": (20.06, 17.38, 4.2, "GPU"), "zero3_offload, fp32": (0.83, 17.70, 7.6, "host")}
+    bench_offload.capacity_chart(rows, "capacity", "a GPU", tmp_path / "capacity.png")
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")

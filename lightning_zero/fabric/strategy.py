@@ -53,8 +53,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
             ``memory_report``, ``shard_group_size``, ``state_dict_type``, ``sharded_on_one_device``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
-        start_method: as for Fabric's ``DDPStrategy``.
+
+    The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Fabric's ``DDPStrategy``.
     """
 
     def __init__(
@@ -198,7 +199,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if not state:
             if directory is None:
                 return self._read_file(source, weights_only)
-            return as_saved(whole_checkpoint(directory, Unpickling.from_weights_only(weights_only)))
+            reading = whole_checkpoint(  # rank 0 draws the bar, on a terminal only
+                directory, Unpickling.from_weights_only(weights_only), progress=self.global_rank == 0
+            )
+            return as_saved(reading)
         parts = FabricState.of(state)
         module = parts.module(state)
         if module is None:

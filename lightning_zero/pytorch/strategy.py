@@ -81,8 +81,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             which ``load_from_checkpoint`` and a plain ``Trainer`` read as they are (``FSDPStrategy``'s option).
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+
+    The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Lightning's
+    ``DDPStrategy``.
     """
 
     def __init__(
