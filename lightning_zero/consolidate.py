@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_zero._checkpoint import directory as ckpt
 from lightning_zero._checkpoint import keys, publish
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.unpickling import Unpickling
 
 
@@ -31,6 +33,9 @@ def consolidate_checkpoint(
     trust_pickle: bool = False,
 ) -> Path:
     """Write the checkpoint at ``checkpoint_dir`` as one Lightning checkpoint file with full fp32-or-native weights.
+    ``checkpoint_dir`` is this package's checkpoint directory or a DeepSpeed ZeRO checkpoint (a save directory with
+    ``latest``, one tag directory in it, or a ``.ckpt`` directory of Lightning's ``DeepSpeedStrategy``), whose
+    fp32 master weights and optimizer state come out whole, as this package's would.
 
     The result loads with ``MyModule.load_from_checkpoint(output_file)`` and resumes with a plain ``Trainer`` (or any
     ZeRO stage). ``weights_only=True`` leaves out optimizer state, for inference or fine-tuning.
@@ -44,6 +49,9 @@ def consolidate_checkpoint(
     """
     path = ckpt.readable_directory(Path(checkpoint_dir)) or Path(checkpoint_dir)
     unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
+    if is_deepspeed_checkpoint(path):
+        checkpoint = read_deepspeed_checkpoint(path, unpickling).lightning_checkpoint(weights_only)
+        return _write(checkpoint, Path(output_file))
     meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
     read = partial(_read, path, metadata, unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
@@ -58,7 +66,10 @@ def consolidate_checkpoint(
     if weights_only:
         for key in ("optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
-    output = Path(output_file)
+    return _write(checkpoint, Path(output_file))
+
+
+def _write(checkpoint: dict[str, Any], output: Path) -> Path:
     publish.publish_file(output, lambda file: torch.save(checkpoint, file))  # never a half-written output file
     return output
 

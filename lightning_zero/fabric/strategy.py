@@ -26,8 +26,11 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.fabric.precision import zero_aware
@@ -175,8 +178,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint directory (this package's, written by either front end) or an ordinary file into the
-        objects of ``state``, in place; return what the checkpoint holds beyond them."""
+        """Load a checkpoint directory (this package's, written by either front end, or DeepSpeed's) or an ordinary
+        file into the objects of ``state``, in place; return what the checkpoint holds beyond them."""
         if not isinstance(state, dict) or not state:
             raise TypeError(
                 f"{type(self).__name__} loads a checkpoint into the objects of a `state` dict, got {state!r}."
@@ -192,7 +195,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             )
         source = Path(self.broadcast(str(path)))
         directory = readable_directory(source)
-        if directory is not None:
+        if directory is not None and is_deepspeed_checkpoint(directory):
+            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
+            checkpoint = deepspeed.checkpoint_for(module, [state[k] for k in parts.optimizers], strict)
+            self._load_file_states(state, parts, module, checkpoint, strict)
+        elif directory is not None:
 
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
                 return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
@@ -200,10 +207,16 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
-            self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)
-            for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
-                self.mode.load_optimizer_state(state[key], optimizer_state)
+            self._load_file_states(state, parts, module, checkpoint, strict)
         return parts.restore_rest(state, checkpoint, strict)
+
+    def _load_file_states(
+        self, state: dict[str, Any], parts: FabricState, module: nn.Module, checkpoint: dict[str, Any], strict: bool
+    ) -> None:
+        """Load the whole tensors of an ordinary checkpoint into the module and optimizers of ``state``."""
+        self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)
+        for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
+            self.mode.load_optimizer_state(state[key], optimizer_state)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -28,8 +28,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._checkpoint import publish
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._config import ModuleOption, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
@@ -310,7 +313,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does."""
+        """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
+        a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         directory = readable_directory(path)
         if directory is None:
@@ -318,6 +322,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
+        if is_deepspeed_checkpoint(directory):
+            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
+            return deepspeed.checkpoint_for(self.lightning_module, optimizers, self.lightning_module.strict_loading)
         return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only)
 
     @override
