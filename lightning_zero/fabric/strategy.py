@@ -52,6 +52,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
             ``memory_report``, ``shard_group_size``, ``sharded_on_one_device``.
+        deepspeed_config: a DeepSpeed config (JSON file path or dict) setting the options it maps to; see
+            :meth:`from_deepspeed_config`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
         start_method: as for Fabric's ``DDPStrategy``.
     """
@@ -63,6 +65,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         # Fabric's connector sets the accelerator, devices, cluster environment, checkpoint IO and precision plugin on
@@ -75,6 +78,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             {k: v for k, v in options.items() if k not in known},
             peer="lightning.fabric.strategies.DDPStrategy",
             stage=stage,
+            deepspeed_config=deepspeed_config,
             **{k: v for k, v in options.items() if k in known},
         )
         super().__init__(

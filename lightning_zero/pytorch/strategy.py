@@ -80,6 +80,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             gradient bytes cross nodes and parameter gathers stay within a node. ``None``: shard across all ranks.
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
+        deepspeed_config: a DeepSpeed config (the path of its JSON file, or a dict) whose ZeRO settings set the
+            options above that are left at their defaults; see :meth:`from_deepspeed_config`. In a LightningCLI
+            config: ``init_args: {deepspeed_config: ds_config.json}``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -101,6 +104,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         memory_report: bool = True,
         shard_group_size: int | Literal["node"] | None = None,
         sharded_on_one_device: bool = False,
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -130,6 +134,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             memory_report=memory_report,
             shard_group_size=shard_group_size,
             sharded_on_one_device=sharded_on_one_device,
+            deepspeed_config=deepspeed_config,
         )
         super().__init__(
             accelerator=accelerator,
