@@ -21,18 +21,14 @@ from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.unpickling import Unpickling
-from tests.fixtures.deepspeed.make_fixtures import CASES, HERE
+from tests.fixtures.deepspeed.make_fixtures import CASES, HERE, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
 from tests.launch import launch
 from tests.oracle import close
+from tests.workers.deepspeed_resume import RESUMES
+from tests.workers.parity import full
 
 WORKER = "tests.workers.deepspeed_resume"
-
-
-def checkpoint_path(case: str) -> Path:
-    """What a user passes: the save directory, or Lightning's ``.ckpt`` directory inside it."""
-    found = sorted((HERE / case).glob("*.ckpt"))
-    return found[0] if found else HERE / case
 
 
 def truth(case: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -64,8 +60,9 @@ def test_reads_what_the_engine_held(case: str) -> None:
 
 def test_lightning_state_comes_with_it() -> None:
     read = read_deepspeed_checkpoint(checkpoint_path("lightning_stage2_w2"), Unpickling.RESTRICTED)
-    assert read.rest["global_step"] == 3 and read.rest["epoch"] == 0
-    assert {"loops", "callbacks", "lr_schedulers", "hyper_parameters"} <= read.rest.keys()
+    assert read.rest["global_step"] == 3
+    assert {"epoch", "loops", "callbacks", "lr_schedulers", "hyper_parameters"} <= read.rest.keys()
+    assert read.rest["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] == 3
     assert read.rest["lr_schedulers"][0]["last_epoch"] == 3
     assert read.optimizer["param_groups"][1]["lr"] == read.rest["lr_schedulers"][0]["_last_lr"][1]
 
@@ -108,15 +105,16 @@ def test_frozen_parameters_may_be_in_the_optimizer_or_not() -> None:
 def test_fabric_loads_it_in_place() -> None:
     case = "subgroups_stage3_w2"
     fabric = Fabric(accelerator="cpu", devices=1, strategy="zero3")
+    fabric.launch()  # one process: this one
     model = model_for(case)
     module, optimizer = fabric.setup(model, torch.optim.AdamW(model.param_groups()))
     rest = fabric.load(checkpoint_path(case), {"model": module, "optimizer": optimizer})
     expected = truth(case)
     named = dict(model.named_parameters())
     for name, value in expected["params"].items():
-        assert torch.equal(named[name].full_tensor().detach(), value), name
+        assert torch.equal(full(named[name]).detach(), value), name
     for name, value in expected["exp_avg"].items():
-        assert torch.equal(optimizer.state[named[name]]["exp_avg"].full_tensor(), value), name
+        assert torch.equal(full(optimizer.state[named[name]]["exp_avg"]), value), name
     assert rest["lr_schedulers"] == []
 
 
@@ -186,15 +184,6 @@ def test_only_deepspeed_directories_are_taken_for_one(tmp_path: Path) -> None:
 
 # --- resumed by the strategies ---------------------------------------------------------------------------------------
 
-# (label, strategy, fixture): each fixture saved at 3 ranks (Lightning's at 3 as well), resumed at 2
-RESUMES = [
-    ("zero1-from-stage3", "zero1", "stage3_w3"),
-    ("zero2-from-groups-stage2", "zero2", "groups_stage2_w3"),
-    ("zero3-from-frozen-stage3", "zero3", "frozen_stage3_w3"),
-    ("zero3-from-lightning-stage3", "zero3", "lightning_stage3_w3"),
-]
-
-
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed_resume")
@@ -214,6 +203,11 @@ def test_resumes_exactly_and_trains_on_as_ddp(resumed: Path, label: str, strateg
         assert restored[key].keys() == expected[key].keys()
         for name, value in expected[key].items():
             assert torch.equal(restored[key][name], value), (name, key)
+    if CASES[case].lightning:  # Lightning's loop and scheduler state came with it
+        scheduler = read_deepspeed_checkpoint(checkpoint_path(case), Unpickling.RESTRICTED).rest["lr_schedulers"][0]
+        assert restored["global_step"] == 3 and restored["lr"] == scheduler["_last_lr"]
+    else:
+        assert restored["global_step"] == 0
     ddp = torch.load(resumed / f"ddp-{label}-final.pt")
     final = torch.load(resumed / f"{label}-final.pt")
     assert final["global_step"] == ddp["global_step"] == restored["global_step"] + 3

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 from torch import nn
 
@@ -144,6 +145,8 @@ def read_deepspeed_checkpoint(path: Path, unpickling: Unpickling) -> DeepSpeedCh
     rest = {k: v for k, v in first.items() if k not in _ENGINE_KEYS}
     if "lr_schedulers" not in rest:  # DeepSpeed's own engine keeps the one scheduler it was given, if any
         rest["lr_schedulers"] = [] if first.get("lr_scheduler") is None else [first["lr_scheduler"]]
+    # a checkpoint of DeepSpeed's own engine: Lightning reads it as one of its own version, with no loop state
+    rest.setdefault("pytorch-lightning_version", lightning.__version__)
     return DeepSpeedCheckpoint(path, state_dict, {"state": state, "param_groups": groups}, frozen, rest)
 
 
@@ -163,14 +166,15 @@ def _partitioned(files: DeepSpeedFiles, shapes: list[dict[str, torch.Size]]) -> 
     masters: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     group_of: dict[str, int] = {}
+    # ZeRO's optimizer keeps each rank's master without its padding zeros; BF16_Optimizer (no `zero_stage`) with them
+    padded_masters = "zero_stage" not in optims[0]
     for g, names in enumerate(shapes):
-        # every rank's piece, its padding zeros cut off: ZeRO stores the master without them, BF16_Optimizer with
-        lengths = [len(b["state"][g]["exp_avg"]) - o["group_paddings"][g] for b, o in zip(base, optims, strict=True)]
-        gaps = optims[0].get("param_alignment_paddings", [[0] * len(names)] * len(shapes))[g]
         masters_of = [o["single_partition_of_fp32_groups"][g] for o in optims]
+        size = len(masters_of[0]) + (0 if padded_masters else optims[0]["group_paddings"][g])  # of each partition
+        lengths = [size - o["group_paddings"][g] for o in optims]  # every rank's partition, less its padding
+        gaps = optims[0]["param_alignment_paddings"][g] if "param_alignment_paddings" in optims[0] else [0] * len(names)
         flat_master = torch.cat([m[:n] for m, n in zip(masters_of, lengths, strict=True)])
-        padded = len(base[0]["state"][g]["exp_avg"])
-        per_element, shared = _split_state([b["state"][g] for b in base], padded, files.optim_paths)
+        per_element, shared = _split_state([b["state"][g] for b in base], size, files.optim_paths)
         flat_state = {k: torch.cat([v[:n] for v, n in zip(vs, lengths, strict=True)]) for k, vs in per_element.items()}
         offset = 0
         for (name, shape), gap in zip(names.items(), gaps, strict=True):

@@ -13,13 +13,20 @@ import torch
 
 import lightning_zero  # noqa: F401
 from lightning_zero._checkpoint.keys import module_names
-from tests.fixtures.deepspeed.make_fixtures import CASES
+from tests.fixtures.deepspeed.make_fixtures import CASES, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
-from tests.test_deepspeed_checkpoints import RESUMES, checkpoint_path
 from tests.workers.parity import full, full_optimizer_state
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
 MORE_STEPS = 3
+# (label, strategy, fixture): each fixture saved at 3 ranks, resumed at 2 under another stage (or the same, for
+# Lightning's directory with its loop and scheduler state)
+RESUMES = [
+    ("zero1-from-stage3", "zero1", "stage3_w3"),
+    ("zero2-from-groups-stage2", "zero2", "groups_stage2_w3"),
+    ("zero3-from-frozen-stage3", "zero3", "frozen_stage3_w3"),
+    ("zero3-from-lightning-stage3", "zero3", "lightning_stage3_w3"),
+]
 
 
 def named_state(trainer: pl.Trainer) -> dict[str, Any]:
