@@ -35,7 +35,7 @@ from lightning_zero._checkpoint.deepspeed_files import DeepSpeedFiles, load_file
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.unpickling import Unpickling
 
-# What the model-state file holds beside Lightning's client state (see the layout notes in the README).
+# What the model-state file holds beside the client state (Lightning's checkpoint, less its states).
 _ENGINE_KEYS = frozenset(
     {
         "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
