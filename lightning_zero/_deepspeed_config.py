@@ -21,6 +21,7 @@ _REFUSED_TOP = {
     "scheduler": "define the scheduler in `configure_optimizers` (Fabric: create it yourself)",
 }
 _REFUSED_ZERO = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+_DEFAULT_CLIPPING = 1.0
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16"}
 
 
@@ -47,7 +48,10 @@ def deepspeed_options(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
     values, source = read_deepspeed_config(config)
     reader = _Reader(source)
     options = reader.zero(_given(values.pop("zero_optimization", {})))
-    for key, value in _given(values).items():
+    given = _given(values)
+    # DeepSpeed (0.19.8) clips at a global norm of 1.0 where the config says nothing
+    given.setdefault("gradient_clipping", _DEFAULT_CLIPPING)
+    for key, value in given.items():
         reader.top(key, value, options)
     if "bucket_elements" in options:  # DeepSpeed counts elements of the module's dtype; this package MiB
         options["bucket_cap_mb"] = options.pop("bucket_elements") * reader.element_bytes / 2**20

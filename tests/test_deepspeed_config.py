@@ -53,9 +53,9 @@ def test_buckets_nvme_and_reduce_dtype_from_a_json_file(tmp_path: Path) -> None:
     path = tmp_path / "ds_config.json"
     offload = {"device": "nvme", "nvme_path": str(tmp_path)}
     zero = {"stage": 2, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e7, "offload_optimizer": offload}
-    path.write_text(json.dumps({"zero_optimization": zero, "communication_data_type": "fp32"}))
+    path.write_text(json.dumps({"zero_optimization": zero, "communication_data_type": "fp32", "gradient_clipping": 0}))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every key acted on: no warning
+        warnings.simplefilter("error")  # every key acted on, no clipping: no warning
         strategy = FabricZeroStrategy.from_deepspeed_config(path)
     config = strategy.config
     assert config.stage is Stage.GRADIENTS and config.bucket_cap_mb == 5e7 * 4 / 2**20
@@ -76,6 +76,11 @@ def test_buckets_nvme_and_reduce_dtype_from_a_json_file(tmp_path: Path) -> None:
 def test_what_would_change_results_is_refused(config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         lightning_zero.ZeroStrategy.from_deepspeed_config(config)
+
+
+def test_deepspeeds_default_clipping_is_named() -> None:
+    with pytest.warns(UserWarning, match=r"set these on the Trainer .*gradient_clip_val=1.0"):
+        lightning_zero.ZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 1}})
 
 
 def test_arguments_beside_it_must_agree() -> None:
