@@ -25,7 +25,7 @@ from tests.fixtures.deepspeed.make_fixtures import CASES, HERE, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
 from tests.launch import launch
 from tests.oracle import close
-from tests.workers.deepspeed_resume import RESUMES
+from tests.workers.deepspeed_resume import RESUMES, VALIDATED
 from tests.workers.parity import full
 
 WORKER = "tests.workers.deepspeed_resume"
@@ -213,3 +213,9 @@ def test_resumes_exactly_and_trains_on_as_ddp(resumed: Path, label: str, strateg
     assert final["global_step"] == ddp["global_step"] == restored["global_step"] + 3
     for name, value in ddp["params"].items():
         close(final["params"][name], value, f"{label} {name} after 3 more steps")
+
+
+def test_validate_loads_the_weights(resumed: Path) -> None:
+    validated = torch.load(resumed / "validated.pt")
+    for name, value in truth(VALIDATED)["params"].items():
+        assert torch.equal(validated[name], value), name

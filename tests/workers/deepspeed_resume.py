@@ -27,6 +27,7 @@ RESUMES = [
     ("zero3-from-frozen-stage3", "zero3", "frozen_stage3_w3"),
     ("zero3-from-lightning-stage3", "zero3", "lightning_stage3_w3"),
 ]
+VALIDATED = "bf16_stage2_w3"  # loaded by `validate` under zero3: weights only, the bf16 run's fp32 masters
 
 
 def named_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -76,6 +77,11 @@ def main() -> None:
         save_rank0(named_state(trainer), out / f"{label}-final.pt")
         trainer = fit("ddp", case, out / f"{case}.ckpt", [])
         save_rank0(named_state(trainer), out / f"ddp-{label}-final.pt")
+    validator = pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="zero3", logger=False,
+                           enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)  # fmt: skip
+    model = FixtureModel(**CASES[VALIDATED].model)
+    validator.validate(model, ckpt_path=checkpoint_path(VALIDATED))
+    save_rank0({n: full(p).detach().clone() for n, p in model.named_parameters()}, out / "validated.pt")
 
 
 if __name__ == "__main__":
