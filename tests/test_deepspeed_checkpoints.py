@@ -20,7 +20,7 @@ from lightning_zero.__main__ import main as command_line
 from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.error import CheckpointError
-from lightning_zero._checkpoint.unpickling import Unpickling
+from lightning_zero._checkpoint.unpickling import DEEPSPEED_STAND_INS, Unpickling, load_torch_file
 from tests.fixtures.deepspeed.make_fixtures import CASES, HERE, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
 from tests.launch import launch
@@ -219,3 +219,15 @@ def test_validate_loads_the_weights(resumed: Path) -> None:
     validated = torch.load(resumed / "validated.pt")
     for name, value in truth(VALIDATED)["params"].items():
         assert torch.equal(validated[name], value), name
+
+
+def test_optimizer_state_that_cannot_be_mapped_is_named(tmp_path: Path) -> None:
+    copy = tmp_path / "stage2_w2"
+    shutil.copytree(HERE / "stage2_w2", copy)
+    file = tag_of(copy) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim = load_torch_file(file.read_bytes(), "", Unpickling.TRUSTED, DEEPSPEED_STAND_INS)
+    state = optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    state["exp_avg"] = state["exp_avg"][:-1]  # one element short: no longer one value per element of the partition
+    torch.save(optim, file)
+    with pytest.raises(CheckpointError, match=rf"{file.name}.*`exp_avg` is neither one value per element.*HINT"):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt", trust_pickle=True)

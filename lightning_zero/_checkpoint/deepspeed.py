@@ -247,13 +247,17 @@ def _split_state(
     shared: dict[str, torch.Tensor] = {}
     for key, value in rank_states[0].items():
         values = [s.get(key) for s in rank_states]
-        if isinstance(value, torch.Tensor) and value.dim() == 1 and all(v.numel() == length for v in values):
+        whole = [isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == length for v in values]
+        same = [isinstance(v, torch.Tensor) and v.dim() == 0 and torch.equal(v, value) for v in values]
+        if all(whole):
             per_element[key] = values
-        elif isinstance(value, torch.Tensor) and value.dim() == 0 and all(torch.equal(v, value) for v in values):
+        elif all(same):
             shared[key] = value
         else:
+            fits = whole if whole[0] else same  # the file that breaks the form rank 0's entry has
+            rank = fits.index(False) if False in fits else 0
             raise CheckpointError(
-                f"DeepSpeed checkpoint file {files[0]}: optimizer state `{key}` is neither one value per element of"
+                f"DeepSpeed checkpoint file {files[rank]}: optimizer state `{key}` is neither one value per element of"
                 f" the flat group ({length}) nor one value every rank shares; it cannot be mapped to parameters."
                 " HINT: resume with an optimizer whose state is per element (Adam, AdamW, SGD with momentum)."
             )
