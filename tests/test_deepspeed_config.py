@@ -100,5 +100,6 @@ def test_named_in_a_lightning_cli_config(tmp_path: Path) -> None:
         "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n"
         f"    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      deepspeed_config: {ds_config}\n"
     )
-    cli = LightningCLI(FixtureModel, run=False, args=["--config", str(cli_config)])
+    with pytest.warns(UserWarning, match="gradient_clip_val=1.0"):  # DeepSpeed's default, named
+        cli = LightningCLI(FixtureModel, run=False, args=["--config", str(cli_config)])
     assert cli.trainer.strategy.config.stage is Stage.PARAMETERS and cli.trainer.strategy.config.offload_parameters
