@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_zero._deepspeed_config import deepspeed_options
 from lightning_zero._offload.target import OffloadTarget, check_directory
 from lightning_zero._wrap import ModuleFilter, ModulePolicy, RepeatedEntries, resolve_policy
 
@@ -114,11 +117,15 @@ class ZeroConfig:
         *,
         peer: str,
         stage: object,
+        deepspeed_config: str | os.PathLike | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> ZeroConfig:
         """The options a strategy class named ``strategy`` was given: ``fixed_stage`` is the stage a ``Zero{N}Strategy``
         runs (``None`` for ``ZeroStrategy``); ``unknown`` what it did not take, refused with the names of the ZeRO
-        options and of the Lightning strategy ``peer`` it takes the rest from."""
+        options and of the Lightning strategy ``peer`` it takes the rest from. A ``deepspeed_config`` sets the options
+        it maps to (see :mod:`lightning_zero._deepspeed_config`) where they were left at their defaults."""
+        if deepspeed_config is not None:
+            stage, options = _with_deepspeed_config(strategy, deepspeed_config, stage, options)
         if unknown:
             names = cls.option_names()
             listed = ", ".join(f"`{n}`" for n in names[:-1]) + f" and `{names[-1]}`"
@@ -230,6 +237,23 @@ class ZeroConfig:
 
 
 _AS_GIVEN: dict[str, object] = {"auto_wrap_policy": None, "offload_optimizer": False}  # options whose field differs
+
+
+def _with_deepspeed_config(
+    strategy: str, config: str | os.PathLike | Mapping[str, Any], stage: object, options: dict[str, Any]
+) -> tuple[object, dict[str, Any]]:
+    """``stage`` and ``options`` with what ``config`` sets; an option given otherwise beside it is refused."""
+    defaults = {f.name: _AS_GIVEN.get(f.name, f.default) for f in fields(ZeroConfig)} | {"stage": None}
+    given = {**defaults, **options, "stage": stage}
+    for name, value in deepspeed_options(config).items():
+        if given[name] != defaults[name] and given[name] != value:
+            raise ValueError(
+                f"{strategy} got `{name}={given[name]!r}` and a DeepSpeed config that sets it to {value!r}."
+                f" HINT: change it in the config, or leave `{name}` out of the strategy's arguments."
+            )
+        given[name] = value
+    stage = given.pop("stage")
+    return stage, {k: v for k, v in given.items() if k in options or v != defaults[k]}
 _SWITCHES = ("broadcast_buffers", "master_weights", "offload_parameters", "pin_memory", "sharded_on_one_device")
 
 

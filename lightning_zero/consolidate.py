@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from lightning_zero import _progress
 from lightning_zero._checkpoint import directory as ckpt
 from lightning_zero._checkpoint import keys, publish
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.unpickling import Unpickling
 
 
@@ -33,6 +35,9 @@ def consolidate_checkpoint(
     progress: bool = True,
 ) -> Path:
     """Write the checkpoint at ``checkpoint_dir`` as one Lightning checkpoint file with full fp32-or-native weights.
+    ``checkpoint_dir`` is this package's checkpoint directory or a DeepSpeed ZeRO checkpoint (a save directory with
+    ``latest``, one tag directory in it, or a ``.ckpt`` directory of Lightning's ``DeepSpeedStrategy``), whose
+    fp32 master weights and optimizer state come out whole, as this package's would.
 
     The result loads with ``MyModule.load_from_checkpoint(output_file)`` and resumes with a plain ``Trainer`` (or any
     ZeRO stage). ``weights_only=True`` leaves out optimizer state, for inference or fine-tuning.
@@ -57,9 +62,12 @@ def consolidate_checkpoint(
 def whole_checkpoint(
     checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False, progress: bool = False
 ) -> dict[str, Any]:
-    """The checkpoint at ``checkpoint_dir`` as one Lightning checkpoint dict of whole tensors, read in this process
-    alone (see :func:`consolidate_checkpoint`); ``progress`` draws a bar on a terminal while it reads."""
+    """The checkpoint at ``checkpoint_dir`` (this package's or DeepSpeed's) as one Lightning checkpoint dict of whole
+    tensors, read in this process alone (see :func:`consolidate_checkpoint`); ``progress`` draws a bar on a terminal
+    while it reads."""
     path = ckpt.readable_directory(checkpoint_dir) or checkpoint_dir
+    if is_deepspeed_checkpoint(path):
+        return read_deepspeed_checkpoint(path, unpickling).lightning_checkpoint(weights_only)
     meta, metadata, shard_check = ckpt.open_checkpoint(path, unpickling=unpickling)
     checkpoint: dict[str, Any] = dict(meta["checkpoint"])
     entries = metadata.state_dict_metadata

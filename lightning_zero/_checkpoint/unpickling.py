@@ -11,13 +11,21 @@ kinds of pickle live in one:
   single-file checkpoint under ``"ddp"``: restricted to tensors and plain containers unless the user said
   ``weights_only=False``.
 - the tensors of the shard files, which DCP already loads with ``weights_only=True``.
+
+A DeepSpeed checkpoint's ``torch.save`` files (see :mod:`.deepspeed_files`) load like ``lightning_zero.pt``, except
+that the three small DeepSpeed classes their pickles name come back as the inert stand-ins of
+:data:`DEEPSPEED_STAND_INS`: records of their attributes, whatever the ``weights_only``, with DeepSpeed neither
+imported nor needed.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from enum import Enum
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +131,71 @@ def read_dcp_metadata(data: bytes, file: Path) -> Metadata:
     return metadata
 
 
+# --- stand-ins for DeepSpeed's classes -------------------------------------------------------------------------------
+
+
+class LossScalerRecord:
+    """DeepSpeed's ``LossScaler`` (``cur_scale``, ``dynamic``) as plain attributes; no behaviour."""
+
+
+class ZeroStageRecord(IntEnum):
+    """DeepSpeed's ``ZeroStageEnum``: the ZeRO stage that wrote an optimizer file."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+@dataclass
+class FragmentAddressRecord:
+    """DeepSpeed's ``fragment_address``: where a parameter's slice sits in a rank's partition."""
+
+    numel: int = 0
+    start: int = 0
+
+
+# The only DeepSpeed globals a ZeRO checkpoint's pickles may name, by their import path, each loaded as its stand-in.
+DEEPSPEED_STAND_INS: Mapping[str, type] = types.MappingProxyType(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScalerRecord,
+        "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageRecord,
+        "deepspeed.utils.tensor_fragment.fragment_address": FragmentAddressRecord,
+    }
+)
+
+
+def _stand_in_pickle_module(stand_ins: Mapping[str, type]) -> types.ModuleType:
+    """A ``pickle_module`` for ``torch.load(weights_only=False)`` that resolves ``stand_ins`` without importing."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return stand_ins.get(f"{module}.{name}") or super().find_class(module, name)
+
+    module = types.ModuleType("lightning_zero_stand_in_pickle")
+    module.__dict__.update(vars(pickle))
+    module.Unpickler = Unpickler  # type: ignore[attr-defined]
+    return module
+
+
 # --- torch.save files ------------------------------------------------------------------------------------------------
 
 
-def load_torch_file(data: bytes, what: str, unpickling: Unpickling) -> Any:
-    """``torch.load`` of ``data`` (the bytes of ``what``, named in errors) under ``unpickling``."""
+def load_torch_file(data: bytes, what: str, unpickling: Unpickling, stand_ins: Mapping[str, type] | None = None) -> Any:
+    """``torch.load`` of ``data`` (the bytes of ``what``, named in errors) under ``unpickling``; the globals named in
+    ``stand_ins`` (import path to class) load as those classes under any ``unpickling``. With stand-ins, torch's
+    default reads as restricted."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=unpickling.weights_only)
+        if not stand_ins:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=unpickling.weights_only)
+        if unpickling is Unpickling.TRUSTED:
+            module = _stand_in_pickle_module(stand_ins)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False, pickle_module=module)
+        with torch.serialization.safe_globals([(cls, path) for path, cls in stand_ins.items()]):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:
         forbidden = _unsafe_globals(data) if isinstance(error, pickle.UnpicklingError) else []
+        forbidden = [name for name in forbidden if name not in (stand_ins or {})]
         if forbidden:
             raise CheckpointError(
                 f"Checkpoint {what} refers to {', '.join(f'`{name}`' for name in forbidden)}, which loading without"

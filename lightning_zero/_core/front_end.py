@@ -3,7 +3,8 @@ the names they are registered under."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -37,6 +38,17 @@ class ZeroFrontEnd:
     world_size: int
     is_global_zero: bool
     _process_group_backend: str | None
+
+    @classmethod
+    def from_deepspeed_config(cls, config: str | os.PathLike | Mapping[str, Any], **options: Any) -> Any:
+        """The strategy a DeepSpeed config asks for: ``zero_optimization.stage``, its bucket sizes,
+        ``offload_optimizer``/``offload_param`` (``device``, ``nvme_path``, ``pin_memory``) and
+        ``zero_hpz_partition_size`` become this package's options, ``bf16``/``fp16`` master weights (and
+        ``communication_data_type``, ``data_types.grad_accum_dtype`` the ``reduce_dtype``). One warning names the
+        Trainer flags the config asks for (``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``) and every
+        key not acted on; DeepSpeed's own ``optimizer``/``scheduler`` and quantized ZeRO++ are refused. ``options``:
+        more of the strategy's arguments (an option the config sets as well must agree with it)."""
+        return cls(deepspeed_config=config, **options)
 
     @property
     def stage(self) -> Stage:

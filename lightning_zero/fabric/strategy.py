@@ -26,6 +26,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.live import save_directory
@@ -53,6 +55,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
             ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
             ``memory_report``, ``shard_group_size``, ``state_dict_type``, ``sharded_on_one_device``.
+        deepspeed_config: a DeepSpeed config (JSON file path or dict) setting the options it maps to; see
+            :meth:`from_deepspeed_config`.
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
     ``precision``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Fabric's ``DDPStrategy``.
@@ -65,6 +69,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         # Fabric's connector sets the accelerator, devices, cluster environment, checkpoint IO and precision plugin on
@@ -77,6 +82,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             {k: v for k, v in options.items() if k not in known},
             peer="lightning.fabric.strategies.DDPStrategy",
             stage=stage,
+            deepspeed_config=deepspeed_config,
             **{k: v for k, v in options.items() if k in known},
         )
         super().__init__(
@@ -187,10 +193,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint directory (this package's, written by either front end) or an ordinary file into the
-        objects of ``state``, in place; return what the checkpoint holds beyond them. As under Fabric's ``"ddp"``,
-        ``state`` may also be a module or an optimizer (``fabric.load_raw``: a file of its state dict alone), or
-        nothing: the whole checkpoint is returned, a directory's tensors whole."""
+        """Load a checkpoint directory (this package's, written by either front end, or DeepSpeed's) or an ordinary
+        file into the objects of ``state``, in place; return what the checkpoint holds beyond them. As under Fabric's
+        ``"ddp"``, ``state`` may also be a module or an optimizer (``fabric.load_raw``: a file of its state dict
+        alone), or nothing: the whole checkpoint is returned, a directory's tensors whole."""
         source = Path(self.broadcast(str(path)))
         directory = readable_directory(source)
         if isinstance(state, (nn.Module, Optimizer)):
@@ -210,7 +216,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 "The ZeRO strategies load a checkpoint into the module it was saved from, and `state` holds none."
                 " HINT: pass the module set up with `fabric.setup` in `state` too."
             )
-        if directory is not None:
+        if directory is not None and is_deepspeed_checkpoint(directory):
+            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
+            checkpoint = deepspeed.checkpoint_for(module, [state[k] for k in parts.optimizers], strict)
+            self._load_file_states(state, parts, module, checkpoint, strict, directory)
+        elif directory is not None:
 
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
                 return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
@@ -218,10 +228,23 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
         else:
             checkpoint = self._read_file(source, weights_only)
-            self.mode.load_module_state(module, parts.pop_module_state(checkpoint, source), strict)
-            for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
-                self.mode.load_optimizer_state(state[key], optimizer_state)
+            self._load_file_states(state, parts, module, checkpoint, strict, source)
         return parts.restore_rest(state, checkpoint, strict)
+
+    def _load_file_states(
+        self,
+        state: dict[str, Any],
+        parts: FabricState,
+        module: nn.Module,
+        checkpoint: dict[str, Any],
+        strict: bool,
+        source: Path,
+    ) -> None:
+        """Load the whole tensors of an ordinary checkpoint (read from ``source``) into the module and optimizers of
+        ``state``."""
+        self.mode.load_module_state(module, parts.pop_module_state(checkpoint, source), strict)
+        for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
+            self.mode.load_optimizer_state(state[key], optimizer_state)
 
     def _load_raw(
         self,

@@ -28,8 +28,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._checkpoint import publish
+from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
+from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
+from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
 from lightning_zero._config import ModuleOption, StateDictType, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
@@ -81,6 +84,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             which ``load_from_checkpoint`` and a plain ``Trainer`` read as they are (``FSDPStrategy``'s option).
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
+        deepspeed_config: a DeepSpeed config (the path of its JSON file, or a dict) whose ZeRO settings set the
+            options above that are left at their defaults; see :meth:`from_deepspeed_config`. In a LightningCLI
+            config: ``init_args: {deepspeed_config: ds_config.json}``.
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
     ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``) are those of Lightning's
@@ -105,6 +111,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         shard_group_size: int | Literal["node"] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharded_on_one_device: bool = False,
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -135,6 +142,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             shard_group_size=shard_group_size,
             state_dict_type=state_dict_type,
             sharded_on_one_device=sharded_on_one_device,
+            deepspeed_config=deepspeed_config,
         )
         super().__init__(
             accelerator=accelerator,
@@ -325,7 +333,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does."""
+        """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
+        a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         directory = readable_directory(path)
         if directory is None:
@@ -334,6 +343,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
+        if is_deepspeed_checkpoint(directory):
+            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
+            return deepspeed.checkpoint_for(self.lightning_module, optimizers, self.lightning_module.strict_loading)
         return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only)
 
     @override
