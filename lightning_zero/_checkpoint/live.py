@@ -77,11 +77,13 @@ def load_directory(
     engine: ZeroEngine | None,
     optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
     weights_only: bool | None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
     return the rest of the Lightning checkpoint. ``optimizers_for``: the optimizers to load, given that rest (a
     Fabric checkpoint records their names). ``weights_only`` is the user's, as Lightning passes it on: what the
-    pickled files may import (see :class:`~.unpickling.Unpickling`)."""
+    pickled files may import (see :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the
+    checkpoint's must match, as in ``load_state_dict``."""
     unpickling = Unpickling.from_weights_only(weights_only)
     meta, metadata, shard_check = ckpt.open_checkpoint(path, Ranks.of_default_group(), unpickling)
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
@@ -89,6 +91,7 @@ def load_directory(
     with shard_check.overlapping():
         optimizers = optimizers_for(meta["checkpoint"])
         model_target = {keys.model_key(k): v for k, v in sharded_model_state(module, engine).items()}
+        model_target = ckpt.model_entries_to_load(model_target, metadata, path, type(module).__name__, strict)
         targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
         flat = dict(model_target)
         for target in targets:

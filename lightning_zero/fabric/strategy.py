@@ -197,7 +197,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
                 return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
 
-            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
+            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only, strict)
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
             self.mode.load_module_state(module, parts.pop_module_state(checkpoint), strict)
