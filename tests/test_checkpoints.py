@@ -7,6 +7,7 @@ run uses the parity tolerance of tests/test_parity.py.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,32 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path: Path) -> 
     assert load(tmp_path / "after-crash.pt")["global_step"] == 6
     assert is_checkpoint_dir(tmp_path / "interrupted")
     assert not list(tmp_path.glob(".interrupted.partial*"))
+
+
+def test_model_only_loads_check_keys_as_ddp_does(tmp_path: Path) -> None:
+    """`trainer.validate`/`predict`/`test(model, ckpt_path=...)` and `fabric.load(path, {"model": model})` into a
+    module lacking a layer of the checkpoint, or holding one it lacks: under zero2 and zero3 exactly what `"ddp"`
+    does, on every rank: strict (the default), a `RuntimeError` in `load_state_dict`'s words listing the keys; not
+    strict (`model.strict_loading = False`, `fabric.load(..., strict=False)`), the common entries loaded."""
+    launch("tests.workers.model_only_loads", [str(tmp_path)], world_size=2)
+    outcomes = [json.loads((tmp_path / f"outcomes-rank{rank}.json").read_text()) for rank in range(2)]
+    assert outcomes[0] == outcomes[1]
+    ddp = outcomes[0]["ddp"]
+    fewer = {
+        "error": ["RuntimeError", "Exception", "BaseException", "object"],
+        "head": "Error(s) in loading state_dict for WithoutSide",
+        "keys": ['Unexpected key(s) in state_dict: "side.weight", "side.bias".'],
+    }
+    more = {**fewer, "head": "Error(s) in loading state_dict for WithExtra",
+            "keys": ['Missing key(s) in state_dict: "extra.weight", "extra.bias".']}
+    assert ddp == {
+        "trainer.validate, a layer fewer": fewer,
+        "trainer.predict, a layer fewer": fewer,
+        "trainer.validate, a layer fewer, not strict": {"loaded": True},
+        "trainer.test, a layer more": more,
+        "fabric.load, a layer fewer": fewer,
+        "fabric.load, a layer fewer, strict=False": {"loaded": True},
+        "fabric.load, a layer more": more,
+    }
+    for strategy in ("zero2", "zero3"):
+        assert outcomes[0][strategy] == ddp, strategy
