@@ -18,7 +18,7 @@ import torch
 
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint.directory import is_checkpoint_dir, read_meta
-from tests.launch import launch
+from tests.launch import launch, start
 from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS, MODULE_KWARGS
 from tests.workers.modules import Classifier
 
@@ -214,3 +214,26 @@ def test_model_only_loads_check_keys_as_ddp_does(tmp_path: Path) -> None:
     }
     for strategy in ("zero2", "zero3"):
         assert outcomes[0][strategy] == ddp, strategy
+
+
+EXIT_LAUNCHES = 3  # of the failing load; the race it had lost 3 launches in 10, its cause is checked on every one
+
+
+def test_a_failed_fabric_load_ends_with_its_error_and_nothing_else(tmp_path: Path) -> None:
+    """A `fabric.load` under zero2 that raises (the module has a layer the checkpoint lacks) used to end, now and
+    then, in `terminate called without an active exception` (SIGABRT): the uncaught exception's traceback kept the
+    failed frames, and through them the process group, alive into the last collection of a half-finalized
+    interpreter. Each launch must exit with status 1 and the error only, and the failed load's module must be gone
+    once lightning_zero's exit hook has run."""
+    launch("tests.workers.failed_load", ["save", str(tmp_path)], world_size=2)
+    for attempt in range(EXIT_LAUNCHES):
+        logs = tmp_path / f"logs{attempt}"
+        logs.mkdir()
+        procs = start("tests.workers.failed_load", ["load", str(tmp_path)], 2, logs=logs)
+        codes = [proc.wait(timeout=300) for proc in procs]
+        outputs = [(logs / f"rank{rank}.log").read_text() for rank in range(2)]
+        assert codes == [1, 1], outputs
+        for output in outputs:
+            assert "CheckpointError: Error(s) in loading state_dict for Sequential" in output
+            assert "terminate called" not in output
+            assert "the failed load's module is alive after the exit hook: [False]" in output
