@@ -15,9 +15,12 @@ Layout of a checkpoint directory (written by ``torch.distributed.checkpoint``, D
   size and CRC-32 of every other file (see :mod:`.checksums`).
 
 A save writes into a new hidden sibling directory and publishes it once every rank has finished, so the checkpoint's
-path names one complete checkpoint, old or new, at every instant (see :mod:`.publish`). A load
-unpickles nothing but tensors, plain containers and DCP's own classes unless the user trusts the checkpoint (see
-:mod:`.unpickling`), and checks every file against the record first.
+path names one complete checkpoint, old or new, at every instant (see :mod:`.publish`); one the operating system
+refuses raises the same error on every rank and leaves nothing (see :mod:`.disk`). A load treats the directory as
+untrusted input: it opens only the regular files directly inside it (see :mod:`.containment`), checks every file
+against the record and every size ``.metadata`` declares against the files before allocating (see :mod:`.layout`),
+and unpickles nothing but tensors, plain containers and DCP's own classes unless the user trusts the checkpoint (see
+:mod:`.unpickling`).
 """
 
 from __future__ import annotations
