@@ -152,8 +152,9 @@ def _host() -> str:
 
 
 def _saver_is_alive(staging: Path, target: Path) -> bool:
-    """Whether the save that created ``staging`` may still be running: its saver is recorded, and not known dead
-    (a saver on another host, or of another PID namespace, cannot be told dead)."""
+    """Whether the save that created ``staging`` may still be running: its saver is recorded, is another process
+    (this one saves one checkpoint at a time, so its own are a failed save's), and is not known dead (a saver on
+    another host, or of another PID namespace, cannot be told dead)."""
     prefix = _staging_prefix(target) + "-"
     saver = Creator.of(staging.name, prefix)
     if saver is None:
@@ -162,7 +163,7 @@ def _saver_is_alive(staging: Path, target: Path) -> bool:
     host = staging.name.removeprefix(prefix).split("-", 4)[-1]
     if me is None or host != _host() or saver.namespace != me.namespace:
         return True
-    return not saver.is_dead()
+    return saver != me and not saver.is_dead()
 
 
 def _is_real_directory(path: Path) -> bool:
