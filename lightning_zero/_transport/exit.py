@@ -16,9 +16,9 @@ def _close_process_group() -> None:
     threads can be destroyed still joinable ("terminate called without an active exception"). Close it first.
 
     After an uncaught exception, the interpreter keeps its traceback (``sys.last_traceback``, already printed) to the
-    very end, and with it every object the failed frames held (the module, the strategy and through them the process
-    group), which then go only in the last collection of a half-finalized interpreter. Drop it here, so that they go
-    as they do after a run that ends without an error."""
+    very end, and with it every object the failed frames held (the module, the strategy, sharded tensors), which then
+    go only in the last collection of a half-finalized interpreter. Drop it here, so that they go as they do after a
+    run that ends without an error."""
     for name in ("last_exc", "last_type", "last_value", "last_traceback"):
         if hasattr(sys, name):
             setattr(sys, name, None)
