@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
 
 import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
@@ -244,6 +244,168 @@ def flip_a_recorded_checksum(file: Path) -> None:
     file.write_text(text[:at] + ("1" if digit == "0" else "0") + text[at + 1 :])
 
 
+# --- a directory naming files outside itself, and sizes it does not hold (whoever alters it rewrites the sums) ------
+
+
+def rewrite_record(checkpoint: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the entries of ``checksums.json`` and give it the CRC-32 of its new entries."""
+    record = checkpoint / "checksums.json"
+    content = json.loads(record.read_text())
+    change(content["files"])
+    canonical = json.dumps(content["files"], sort_keys=True, separators=(",", ":")).encode()
+    content["record_crc32"] = f"{zlib.crc32(canonical):08x}"
+    record.write_text(json.dumps(content))
+
+
+def list_a_file_outside(how: str) -> Callable[[Path], None]:
+    """``checksums.json`` lists a file outside the checkpoint, by ``how`` ("absolute" or "relative") path, with its
+    true size and CRC-32."""
+
+    def alter(record: Path) -> None:
+        secret = record.parent.parent / "outside" / "secret.txt"
+        secret.parent.mkdir(exist_ok=True)
+        secret.write_text("secret")
+        name = str(secret) if how == "absolute" else "../outside/secret.txt"
+        entry = {"bytes": 6, "crc32": f"{zlib.crc32(b'secret'):08x}"}
+        rewrite_record(record.parent, lambda files: files.update({name: entry}))
+
+    return alter
+
+
+def store_shard_0_elsewhere(how: str) -> Callable[[Path], None]:
+    """``.metadata`` stores rank 0's entries in another checkpoint's shard file, named by ``how`` ("absolute",
+    "relative") path, or in a file of this checkpoint that ``checksums.json`` does not list ("unlisted")."""
+
+    def alter(metadata_file: Path) -> None:
+        checkpoint = metadata_file.parent
+        other = Path(shutil.copytree(checkpoint, checkpoint.parent / f"other-run-{how}"))
+        shutil.copy(checkpoint / "__0_0.distcp", checkpoint / "__0_0.unlisted")
+        name = {"absolute": str(other / "__0_0.distcp"), "relative": f"../{other.name}/__0_0.distcp",
+                "unlisted": "__0_0.unlisted"}[how]
+
+        def repoint(metadata: Any) -> None:
+            for info in metadata.storage_data.values():
+                if info.relative_path == "__0_0.distcp":
+                    info.relative_path = name
+
+        alter_dcp_metadata(checkpoint, repoint)
+
+    return alter
+
+
+def link_to_a_copy(file: Path) -> None:
+    """Replace ``file`` with a link to an identical copy outside the checkpoint (same size, same CRC-32)."""
+    outside = file.parent.parent / f"outside-{file.name}"
+    shutil.copy(file, outside)
+    file.unlink()
+    file.symlink_to(outside)
+
+
+def grow_sparse(file: Path) -> None:
+    """Make ``file`` 8 GiB long (sparse): read whole, it would take GiBs of memory and seconds."""
+    with file.open("r+b") as opened:
+        opened.truncate(8 * 2**30)
+
+
+def declare_elements(count: int) -> Callable[[Path], None]:
+    """``.metadata`` declares `mid.bias` of ``count`` elements, its last chunk growing to cover them."""
+
+    def alter(metadata_file: Path) -> None:
+        def declare(metadata: Any) -> None:
+            entry = metadata.state_dict_metadata["model/mid.bias"]
+            entry.size = torch.Size([count])
+            last = entry.chunks[-1]
+            last.sizes = torch.Size([count - last.offsets[0]])
+
+        alter_dcp_metadata(metadata_file.parent, declare)
+
+    return alter
+
+
+def chunks_over_one_stored_tensor(metadata_file: Path) -> None:
+    """1,000 chunks of `mid.weight` (declared 1,000 times as tall), each stored in rank 0's one stored chunk."""
+
+    def repeat(metadata: Any) -> None:
+        entry = metadata.state_dict_metadata["model/mid.weight"]
+        first = entry.chunks[0]
+        stored = metadata.storage_data[MetadataIndex("model/mid.weight", first.offsets)]
+        rows = first.sizes[0]
+        entry.size = torch.Size([rows * 1000, *first.sizes[1:]])
+        entry.chunks = [ChunkStorageMetadata(torch.Size([rows * i, 0]), first.sizes) for i in range(1000)]
+        for chunk in entry.chunks:
+            metadata.storage_data[MetadataIndex("model/mid.weight", chunk.offsets)] = stored
+
+    alter_dcp_metadata(metadata_file.parent, repeat)
+
+
+def drop_a_chunk(metadata_file: Path) -> None:
+    alter_dcp_metadata(metadata_file.parent, lambda m: m.state_dict_metadata["model/mid.weight"].chunks.pop())
+
+
+def declare_float64(metadata_file: Path) -> None:
+    """`out.bias` declared float64: its chunks' raw bytes still fit in their storage, which holds float32."""
+
+    def declare(metadata: Any) -> None:
+        metadata.state_dict_metadata["model/out.bias"].properties.dtype = torch.float64
+
+    alter_dcp_metadata(metadata_file.parent, declare)
+
+
+OUTSIDE = {  # file, what is done to it, what the error must say after the checkpoint's path
+    "checksums.json lists an absolute path": (
+        "checksums.json", list_a_file_outside("absolute"), r"`checksums\.json` names '/.*secret\.txt', an absolute"
+    ),
+    "checksums.json lists ../": (
+        "checksums.json", list_a_file_outside("relative"), r"`checksums\.json` names '\.\./outside/secret\.txt', a path"
+    ),
+    ".metadata stores in another checkpoint by absolute path": (
+        ".metadata", store_shard_0_elsewhere("absolute"), r"`\.metadata` \(for `model/.*`\) names '/.*other-run-abs"
+    ),
+    ".metadata stores in another checkpoint by ../": (
+        ".metadata", store_shard_0_elsewhere("relative"), r"names '\.\./other-run-relative/__0_0\.distcp', a path"
+    ),
+    ".metadata stores in an unlisted file": (
+        ".metadata", store_shard_0_elsewhere("unlisted"), r"names the file '__0_0\.unlisted', which `checksums\.json`"
+    ),
+    "a shard file is a link": ("__1_0.distcp", link_to_a_copy, r"__1_0\.distcp \(.*\) is a symbolic link"),
+    ".metadata is a link": (".metadata", link_to_a_copy, r"\.metadata \(DCP's index.*\) is a symbolic link"),
+    "lightning_zero.pt grown to 8 GiB": ("lightning_zero.pt", grow_sparse, r"lightning_zero\.pt has grown: 8,589,934,"),
+    "2**40 elements": (".metadata", declare_elements(2**40), r"a chunk of `model/mid\.bias` at \(15,\) of 4,398,046,"),
+    "2**31 elements": (".metadata", declare_elements(2**31), r"a chunk of `model/mid\.bias` at \(15,\) of 8,589,934,"),
+    "1,000 chunks over one stored tensor": (
+        ".metadata", chunks_over_one_stored_tensor, r"stores `model/mid\.weight` and `model/mid\.weight` over the same"
+    ),
+    "a chunk dropped": (".metadata", drop_a_chunk, r"`model/mid\.weight` of size \(29, 29\) \(841 elements\) in"),
+    "a chunk stored as another dtype": (
+        ".metadata", declare_float64, r"the storage of `model/out\.bias` at \(0,\) holds shape \(2,\), torch\.float32"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTSIDE))
+def test_a_directory_reads_nothing_outside_itself_nor_sizes_it_does_not_hold(
+    copy: Path, tmp_path: Path, case: str
+) -> None:
+    """Each refused before the bytes it names are read or the sizes it declares allocated; a `CheckpointError` that
+    names the checkpoint, the file and the entry."""
+    name, alter, message = OUTSIDE[case]
+    alter(copy / name)
+    named = r"Checkpoint (file )?" + re.escape(str(copy)) + r".*"
+    with pytest.raises(CheckpointError, match=named + message + r".*HINT: "):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+    assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
+
+
+def test_a_checkpoint_of_the_previous_release_reads_nothing_outside_itself_either(copy: Path, tmp_path: Path) -> None:
+    """Without checksums.json (format 1) nothing lists the files, and a `.metadata` naming `../` is still refused."""
+    (copy / "checksums.json").unlink()
+    alter_meta(copy, lambda meta: meta.update(format=1))
+    store_shard_0_elsewhere("relative")(copy / ".metadata")
+    with pytest.warns(UserWarning, match=r"unverified"), pytest.raises(CheckpointError, match=r"names '\.\./other-run"):
+        consolidate_checkpoint(copy, tmp_path / "out.ckpt")
+
+
 DAMAGE = {  # file, what is done to it, what the error must say after the file's path
     "missing .metadata": (".metadata", Path.unlink, r"lacks `\.metadata` \(DCP's index"),
     "missing lightning_zero.pt": ("lightning_zero.pt", Path.unlink, r"lacks `lightning_zero\.pt` \(the rest"),
@@ -283,14 +445,20 @@ def test_fabric_load_checks_every_file_as_the_trainer_does(copy: Path) -> None:
 
 
 RESUMED_DAMAGE = ["a bit flipped in shard 0", "a bit flipped in shard 1", "a bit flipped in lightning_zero.pt",
-                  "zeroed .metadata", "missing checksums.json", "truncated shard file"]
+                  "zeroed .metadata", "missing checksums.json", "truncated shard file",
+                  "checksums.json lists an absolute path", ".metadata stores in another checkpoint by ../",
+                  "a shard file is a link", "2**40 elements", "1,000 chunks over one stored tensor",
+                  "a chunk stored as another dtype"]
 
 
 def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) -> None:
-    """On 2 ranks each shard file is checked by one rank only; both raise the error that rank found."""
+    """On 2 ranks each shard file is checked by one rank only; both raise the error that rank found. So do a
+    directory naming files outside itself and one declaring sizes its files do not hold: `fit(ckpt_path=...)` loads
+    no foreign weights and allocates nothing by them."""
+    cases = {**DAMAGE, **OUTSIDE}
     copies = []
     for index, case in enumerate(RESUMED_DAMAGE):
-        name, damage, _ = DAMAGE[case]
+        name, damage, _ = cases[case]
         copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / f"damaged-{index}")))
         damage(copies[-1] / name)
     copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / "intact")))
@@ -299,7 +467,7 @@ def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) 
     assert errors[0] == errors[1]
     for case, copy_ in zip(RESUMED_DAMAGE, copies[:-1], strict=True):
         assert errors[0][str(copy_)] is not None, case
-        assert re.search(DAMAGE[case][2] + r".*HINT: ", errors[0][str(copy_)]), case
+        assert re.search(cases[case][2] + r".*HINT: ", errors[0][str(copy_)]), case
     assert errors[0][str(copies[-1])] is None
 
 
@@ -400,10 +568,12 @@ def test_removing_a_checkpoint_removes_a_link_not_its_target(tmp_path: Path) -> 
     assert (victim / "precious").read_text() == "kept"
 
 
-def fit_and_save(target: Path) -> pl.Trainer:
+def fit_and_save(target: Path | None, hidden: int = MODULE_KWARGS["hidden"], steps: int = 4) -> pl.Trainer:
+    """Train ``steps`` steps on one process; save to ``target``, if given."""
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=4, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Classifier(**MODULE_KWARGS))
-    trainer.save_checkpoint(target)
+    trainer.fit(Classifier(**{**MODULE_KWARGS, "hidden": hidden}))
+    if target is not None:
+        trainer.save_checkpoint(target)
     return trainer

@@ -14,16 +14,21 @@ shard files over the ranks, each read once (:func:`share`).
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from lightning_zero._checkpoint.containment import inside, open_file
+from lightning_zero._checkpoint.disk import os_error_in
 from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
 from lightning_zero._checkpoint.publish import fsync_file
 
@@ -42,13 +47,17 @@ def sum_bytes(data: bytes | memoryview) -> FileSum:
 
 
 def sum_file(path: Path) -> FileSum:
+    with open(path, "rb", buffering=0) as file:
+        return _sum_open_file(file)
+
+
+def _sum_open_file(file: BinaryIO) -> FileSum:
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     size, crc = 0, 0
-    with open(path, "rb", buffering=0) as file:
-        while count := file.readinto(buffer):
-            crc = zlib.crc32(view[:count], crc)
-            size += count
+    while count := file.readinto(buffer):
+        crc = zlib.crc32(view[:count], crc)
+        size += count
     return FileSum(size, crc)
 
 
@@ -73,12 +82,16 @@ class Record:
 
     @classmethod
     def read(cls, path: Path) -> Record | None:
-        """The record of the checkpoint at ``path``; ``None`` for a checkpoint written before records were kept."""
+        """The record of the checkpoint at ``path``; ``None`` for a checkpoint written before records were kept. Every
+        file it names is a plain file name (see :mod:`.containment`)."""
         file = path / CHECKSUM_FILE
-        if not file.is_file():
+        try:
+            with open_file(path, CHECKSUM_FILE, "the record of every file's checksum") as opened:
+                data = opened.read()
+        except FileNotFoundError:
             return None
         try:
-            content = json.loads(file.read_bytes())
+            content = json.loads(data)
             if content["algorithm"] != ALGORITHM:
                 raise ValueError(f"unknown algorithm {content['algorithm']!r}")
             files = {name: FileSum(int(e["bytes"]), int(e["crc32"], 16)) for name, e in content["files"].items()}
@@ -89,20 +102,38 @@ class Record:
             raise CheckpointError(
                 f"Checkpoint file {file} is damaged: its entries do not match its own CRC-32. {DAMAGE_HINT}"
             )
+        for name in files:
+            inside(path, name, f"`{CHECKSUM_FILE}`")
         return cls(files)
 
-    def check_bytes(self, path: Path, name: str, data: bytes) -> None:
-        """The file ``name`` of the checkpoint at ``path`` read as ``data`` is the file that was written."""
-        _compare(path / name, self._expected(path, name), sum_bytes(data))
+    def read_file(self, path: Path, name: str, role: str) -> bytes:
+        """The bytes of the file ``name`` (``role``: what it holds) of the checkpoint at ``path``, once its size is
+        the recorded one (a larger file is never read) and its bytes are the ones written."""
+        expected = self._expected(path, name)
+        with self._open(path, name, role, expected) as file:
+            data = file.read(expected.size + 1)
+        _compare(path / name, expected, sum_bytes(data))
+        return data
 
     def check_files(self, path: Path, names: list[str]) -> None:
         for name in names:
-            expected, file = self._expected(path, name), path / name
-            if not file.is_file():
-                raise CheckpointError(
-                    f"Checkpoint file {file} is missing ({expected.size:,} bytes when it was written). {DAMAGE_HINT}"
-                )
-            _compare(file, expected, sum_file(file))
+            expected = self._expected(path, name)
+            with self._open(path, name, "a shard file", expected) as file:
+                _compare(path / name, expected, _sum_open_file(file))
+
+    def _open(self, path: Path, name: str, role: str, expected: FileSum) -> BinaryIO:
+        """The file ``name``, opened as :mod:`.containment` allows, once its size is the recorded one."""
+        try:
+            file = open_file(path, name, f"{role}, listed in `{CHECKSUM_FILE}`")
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"Checkpoint file {path / name} is missing ({expected.size:,} bytes when it was written). {DAMAGE_HINT}"
+            ) from None
+        size = os.fstat(file.fileno()).st_size
+        if size != expected.size:
+            file.close()
+            _compare(path / name, expected, FileSum(size, expected.crc32))
+        return file
 
     def _expected(self, path: Path, name: str) -> FileSum:
         if name not in self.files:
@@ -150,14 +181,27 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: Path) -> None:
         super().__init__(path, sync_files=False)
         self.sums: dict[str, FileSum] = {}
+        self.os_error: OSError | None = None  # what stopped this rank's writing, if the operating system did
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
-        future = super().write_data(plan, planner)
-        written = sorted({result.storage_data.relative_path for result in future.wait()})
-        files = {name: Path(self.path) / name for name in written}
-        with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
-            synced = [pool.submit(fsync_file, file) for file in files.values()]
-            self.sums = {name: sum_file(file) for name, file in files.items()}
-            for sync in synced:
-                sync.result()
+        try:
+            future = super().write_data(plan, planner)
+            written = sorted({result.storage_data.relative_path for result in future.wait()})
+            files = {name: Path(self.path) / name for name in written}
+            with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
+                synced = [pool.submit(fsync_file, file) for file in files.values()]
+                self.sums = {name: sum_file(file) for name, file in files.items()}
+                for sync in synced:
+                    sync.result()
+        except Exception as failure:
+            self.os_error = os_error_in(failure)
+            raise
         return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's coordinator writes ``.metadata``."""
+        try:
+            super().finish(metadata, results)
+        except Exception as failure:
+            self.os_error = os_error_in(failure)
+            raise

@@ -15,9 +15,12 @@ Layout of a checkpoint directory (written by ``torch.distributed.checkpoint``, D
   size and CRC-32 of every other file (see :mod:`.checksums`).
 
 A save writes into a new hidden sibling directory and publishes it once every rank has finished, so the checkpoint's
-path names one complete checkpoint, old or new, at every instant (see :mod:`.publish`). A load
-unpickles nothing but tensors, plain containers and DCP's own classes unless the user trusts the checkpoint (see
-:mod:`.unpickling`), and checks every file against the record first.
+path names one complete checkpoint, old or new, at every instant (see :mod:`.publish`); one the operating system
+refuses raises the same error on every rank and leaves nothing (see :mod:`.disk`). A load treats the directory as
+untrusted input: it opens only the regular files directly inside it (see :mod:`.containment`), checks every file
+against the record and every size ``.metadata`` declares against the files before allocating (see :mod:`.layout`),
+and unpickles nothing but tensors, plain containers and DCP's own classes unless the user trusts the checkpoint (see
+:mod:`.unpickling`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_zero._checkpoint import publish
+from lightning_zero._checkpoint import disk, keys, layout, publish
 from lightning_zero._checkpoint.checksums import (
     CHECKSUM_FILE,
     ChecksummingWriter,
@@ -47,6 +50,7 @@ from lightning_zero._checkpoint.checksums import (
     sum_bytes,
     sum_file,
 )
+from lightning_zero._checkpoint.containment import FOREIGN_HINT, file_size, inside, open_file
 from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
 from lightning_zero._checkpoint.ranks import ALONE, Ranks
 from lightning_zero._checkpoint.unpickling import (
@@ -72,27 +76,74 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
 
 def save(flat: dict[str, Any], meta: dict[str, Any], path: Path, ranks: Ranks) -> None:
     """Write ``flat`` with every rank into a new staging directory, then publish it at ``path`` (see
-    :mod:`.publish`): ``path`` names a complete checkpoint, the old one or the new, at every instant."""
+    :mod:`.publish`): ``path`` names a complete checkpoint, the old one or the new, at every instant. Where the
+    operating system refuses a write (a full disk, a quota, a read-only filesystem), every rank raises the same
+    :class:`CheckpointError` naming it, and the staging directory is gone."""
     staging = Path(ranks.on_first(lambda: str(_prepare(path)), f"prepare a staging directory for {path}"))
     writer = ChecksummingWriter(staging)
-    # what every rank holds alike (buffers, step counters) is written by rank 0, as a single-file checkpoint would be
-    dcp.save(flat, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    try:
+        # what every rank holds alike (buffers, step counters) is written by rank 0, as a single file would be
+        dcp.save(flat, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    except (Exception, CheckpointException) as failure:  # DCP raises on every rank once any rank failed
+        _abandon(staging, path, writer.os_error, ranks, failure)
     sums = ranks.all_gather(writer.sums)
     ranks.on_first(lambda: _finish(staging, path, meta, sums), f"publish {path}")
 
 
+def _abandon(staging: Path, path: Path, os_error: OSError | None, ranks: Ranks, failure: BaseException) -> None:
+    """After DCP's save failed on every rank: rank 0 removes the staging directory, and every rank raises the first
+    operating-system error any rank met, else ``failure`` (collective)."""
+    mine = None if os_error is None else (disk.describe(os_error, staging, ranks.rank), os_error.errno)
+    described = ranks.all_gather(mine)
+    if ranks.rank == 0:
+        _remove_quietly(staging)
+    first = next((found for found in described if found is not None), None)
+    if first is None:
+        raise failure
+    raise disk.write_error(path, *first) from (os_error or failure)
+
+
+def _remove_quietly(staging: Path) -> None:
+    """Remove a failed save's staging directory; what cannot be removed now is a leftover the next save reclaims."""
+    try:
+        publish.remove(staging)
+    except OSError as error:
+        warnings.warn(f"Could not remove {staging}, left by the failed save: {error}", stacklevel=3)
+
+
 def _prepare(path: Path) -> Path:
-    publish.recover(path)
-    # Leftovers of crashed saves, reclaimed now where they are incomplete (the space of a half-written checkpoint),
-    # and every one if a checkpoint is at `path`; a complete leftover with none there waits for this publish.
-    has_checkpoint = path.is_dir()  # `recover` moved a kept copy back, if there was one
-    publish.reclaim(path, keep=lambda leftover: not has_checkpoint and is_checkpoint_dir(leftover))
-    return publish.make_staging_directory(path)
+    try:
+        publish.recover(path)
+        # Leftovers of crashed saves, reclaimed now where they are incomplete (the space of a half-written
+        # checkpoint), and every one if a checkpoint is at `path`; a complete leftover with none there waits for
+        # this publish. A staging directory of a save still running is no leftover.
+        has_checkpoint = path.is_dir()  # `recover` moved a kept copy back, if there was one
+        publish.reclaim(path, keep=lambda leftover: not has_checkpoint and is_checkpoint_dir(leftover))
+        return publish.make_staging_directory(path)
+    except OSError as error:
+        raise disk.write_error(path, disk.describe(error, path.parent, 0), error.errno) from error
 
 
 def _finish(staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str, FileSum]]) -> None:
     """Rank 0, after every rank has written its files: our metadata, then the record of every file's checksum, then
-    the publish."""
+    the publish; if any fails, the staging directory goes."""
+    try:
+        _write_own_files_and_publish(staging, path, meta, sums)
+    except BaseException as failure:
+        _remove_quietly(staging)
+        error = disk.os_error_in(failure)
+        if error is None:
+            raise
+        raise disk.write_error(path, disk.describe(error, staging, 0), error.errno) from failure
+    try:
+        publish.reclaim(path)
+    except OSError as error:  # the checkpoint is published; what is left behind only takes space
+        warnings.warn(f"Saved {path}, but could not remove what earlier saves left beside it: {error}", stacklevel=2)
+
+
+def _write_own_files_and_publish(
+    staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str, FileSum]]
+) -> None:
     files = {name: file_sum for rank_sums in sums for name, file_sum in rank_sums.items()}
     publish.fsync_file(staging / DCP_METADATA)  # DCP wrote it unsynced (see ChecksummingWriter)
     files[DCP_METADATA] = sum_file(staging / DCP_METADATA)
@@ -104,10 +155,6 @@ def _finish(staging: Path, path: Path, meta: dict[str, Any], sums: list[dict[str
     publish.write_new_file(staging / CHECKSUM_FILE, lambda file: file.write(record))
     publish.fsync_directory(staging)
     publish.publish_directory(staging, path)
-    try:
-        publish.reclaim(path)
-    except OSError as error:  # the checkpoint is published; what is left behind only takes space
-        warnings.warn(f"Saved {path}, but could not remove what earlier saves left beside it: {error}", stacklevel=2)
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -138,18 +185,22 @@ class ShardCheck:
     def __init__(self, path: Path, record: Record | None, ranks: Ranks) -> None:
         self.ranks = ranks
         self._pending: Future[CheckpointError | None] | None = None
+        self._checker: ThreadPoolExecutor | None = None
         if record is not None:
             shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
             mine = share(shards, ranks.rank, ranks.size)
             # a thread of its own, which ends with the check: a pool kept for later would not survive a fork
-            checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
-            self._pending = checker.submit(_checked, lambda: record.check_files(path, mine), path)
-            checker.shutdown(wait=False)
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
+            self._pending = self._checker.submit(_checked, lambda: record.check_files(path, mine), path)
 
     def wait(self) -> None:
         """Return on every rank once every shard file is as written, or raise on every rank the first damage any
-        rank found (collective)."""
-        self.ranks.agree(None if self._pending is None else self._pending.result())
+        rank found (collective). The check's thread has ended either way."""
+        verdict = None
+        if self._pending is not None and self._checker is not None:
+            verdict = self._pending.result()
+            self._checker.shutdown(wait=True)
+        self.ranks.agree(verdict)
 
     @contextmanager
     def overlapping(self) -> Iterator[None]:
@@ -186,7 +237,7 @@ def open_checkpoint(
 
     def read() -> None:
         found.extend(_read_small_files(path, ranks, unpickling))
-        _check_shard_lengths(path, found[1])
+        _check_layout(path, found[1], found[2])
 
     ranks.agree(_checked(read, path))
     meta, metadata, record = found
@@ -208,17 +259,15 @@ def _read_small_files(
 ) -> tuple[dict[str, Any], Metadata, Record | None]:
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")
-    for name, role in ((DCP_METADATA, "DCP's index of every entry"), (META_FILE, "the rest of Lightning's checkpoint")):
-        if not (path / name).is_file():
+    roles = {DCP_METADATA: "DCP's index of every entry", META_FILE: "the rest of Lightning's checkpoint"}
+    for name, role in roles.items():
+        if not os.path.lexists(path / name):
             raise CheckpointError(
                 f"{path} is not a complete lightning_zero checkpoint: it lacks `{name}` ({role}). HINT: copy the"
                 " whole checkpoint directory; a checkpoint this release wrote is complete wherever its path exists."
             )
     record = Record.read(path)
-    contents = {name: (path / name).read_bytes() for name in (DCP_METADATA, META_FILE)}
-    if record is not None:
-        for name, data in contents.items():
-            record.check_bytes(path, name, data)
+    contents = {name: _read_small_file(path, name, role, record) for name, role in roles.items()}
     metadata = read_dcp_metadata(contents[DCP_METADATA], path / DCP_METADATA)
     meta = load_torch_file(contents[META_FILE], f"file {path / META_FILE}", unpickling)
     if not isinstance(meta, dict) or not {"checkpoint", "param_groups", "sharded"} <= meta.keys():
@@ -236,22 +285,61 @@ def _read_small_files(
     return meta, metadata, record
 
 
-def _check_shard_lengths(path: Path, metadata: Metadata) -> None:
-    """Every shard file is present and long enough for the entries it holds."""
-    needed: dict[str, tuple[int, str]] = {}
+def _read_small_file(path: Path, name: str, role: str, record: Record | None) -> bytes:
+    """The bytes of ``.metadata`` or ``lightning_zero.pt``, checked against the record where there is one."""
+    if record is not None:
+        return record.read_file(path, name, role)
+    with open_file(path, name, role) as file:
+        return file.read()
+
+
+def _check_layout(path: Path, metadata: Metadata, record: Record | None) -> None:
+    """Every file ``.metadata`` names is a file of the checkpoint (see :mod:`.containment`), listed in its record
+    where there is one, present, and long enough for its entries; every size ``.metadata`` declares is backed by
+    those bytes (see :mod:`.layout`)."""
+    sizes: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
-        end = info.offset + info.length
-        if end > needed.get(info.relative_path, (0, ""))[0]:
-            needed[info.relative_path] = (end, index.fqn)
-    for relative, (end, fqn) in needed.items():
-        file = path / relative
-        if not file.is_file():
-            raise CheckpointError(f"Checkpoint file {file} is missing; it holds `{fqn}`. {DAMAGE_HINT}")
-        size = file.stat().st_size
-        if size < end:
+        name = info.relative_path
+        if name in sizes:
+            continue
+        entry = f"`.metadata` (for `{index.fqn}`)"
+        inside(path, name, entry)
+        if record is not None and name not in record.files:
             raise CheckpointError(
-                f"Checkpoint file {file} is truncated ({size} bytes, {end} needed for `{fqn}`). {DAMAGE_HINT}"
+                f"Checkpoint {path}: {entry} names the file {name!r}, which `{CHECKSUM_FILE}` does not list; a load"
+                f" reads only files whose checksums are recorded. {FOREIGN_HINT}"
             )
+        size = file_size(path, name, entry)
+        if size is None:
+            raise CheckpointError(f"Checkpoint file {path / name} is missing; it holds `{index.fqn}`. {DAMAGE_HINT}")
+        sizes[name] = size
+    layout.check_storage(path, metadata, sizes)
+    layout.check_entries(path, metadata)
+
+
+def model_entries_to_load(
+    target: dict[str, Any], metadata: Metadata, path: Path, owner: str, strict: bool
+) -> dict[str, Any]:
+    """The entries of ``target`` (a module's, ``model/<fqn>``; ``owner`` its class) to load from the checkpoint at
+    ``path``: with ``strict``, all of them, where the checkpoint holds exactly these (else the error
+    ``load_state_dict`` raises, in its words); otherwise those the checkpoint holds."""
+    saved = [key for key in metadata.state_dict_metadata if key.startswith(keys.MODEL)]
+    if not strict:
+        return {key: value for key, value in target.items() if key in metadata.state_dict_metadata}
+    missing = [key for key in target if key not in metadata.state_dict_metadata]
+    unexpected = [key for key in saved if key not in target]
+    if missing or unexpected:
+        lines = [
+            f"{kind} key(s) in state_dict: {', '.join(quoted)}. "
+            for kind, names in (("Missing", missing), ("Unexpected", unexpected))
+            if (quoted := [f'"{name}"' for name in keys.model_entries(names)])
+        ]
+        raise CheckpointError(
+            f"Error(s) in loading state_dict for {owner} from checkpoint {path}:\n\t" + "\n\t".join(lines)
+            + "\nHINT: load it into the model it was saved from; to load only the entries both hold, pass"
+            " `strict=False` (Fabric: `fabric.load(..., strict=False)`; Trainer: set `model.strict_loading = False`)."
+        )
+    return target
 
 
 def check_compatible(target: dict[str, Any], metadata: Metadata, path: Path) -> None:

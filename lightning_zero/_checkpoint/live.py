@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
@@ -77,11 +78,13 @@ def load_directory(
     engine: ZeroEngine | None,
     optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
     weights_only: bool | None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
     return the rest of the Lightning checkpoint. ``optimizers_for``: the optimizers to load, given that rest (a
     Fabric checkpoint records their names). ``weights_only`` is the user's, as Lightning passes it on: what the
-    pickled files may import (see :class:`~.unpickling.Unpickling`)."""
+    pickled files may import (see :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the
+    checkpoint's must match, as in ``load_state_dict``."""
     unpickling = Unpickling.from_weights_only(weights_only)
     meta, metadata, shard_check = ckpt.open_checkpoint(path, Ranks.of_default_group(), unpickling)
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
@@ -89,6 +92,7 @@ def load_directory(
     with shard_check.overlapping():
         optimizers = optimizers_for(meta["checkpoint"])
         model_target = {keys.model_key(k): v for k, v in sharded_model_state(module, engine).items()}
+        model_target = ckpt.model_entries_to_load(model_target, metadata, path, _class_name(module), strict)
         targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
         flat = dict(model_target)
         for target in targets:
@@ -103,6 +107,11 @@ def load_directory(
         optimizer.load_state_dict(_indexed_state(index, optimizer, module, target, groups, path))
     # Lightning insists on the key; the empty list tells ``load_optimizer_state_dict`` all is loaded already.
     return {**meta["checkpoint"], "optimizer_states": []} if optimizers else meta["checkpoint"]
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's class as the user wrote it (``fully_shard`` makes it a subclass named ``FSDP<name>``)."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)).__name__
 
 
 def _optimizer_target(

@@ -3,16 +3,21 @@
 Vocabulary:
 
 - *target*: the path the user names (``trainer.save_checkpoint(target)``, ``ModelCheckpoint``'s file names).
-- *staging*: a new hidden sibling, ``.NAME.partial-<random>``, created exclusively (never through a link planted at a
-  guessable name) and filled completely before it is published.
+- *staging*: a new hidden sibling, ``.NAME.partial-<saver>-<random>-<host>``, created exclusively (never through a
+  link planted at a guessable name) and filled completely before it is published; ``<saver>`` is the process that
+  created it (see :mod:`lightning_zero._creator`), ``<host>`` the machine it runs on.
 - *kept copy*: ``.NAME.old``, the previous checkpoint while a filesystem that cannot swap two directories (NFS, some
   FUSE filesystems) replaces it by two renames.
 - *leftovers*: staging directories and kept copies of saves that died; the next save to the same target removes them.
+  A staging directory whose saver is alive, or cannot be told dead (another host, another PID namespace), is no
+  leftover: another job saving to the same target is using it. Names of earlier releases record no saver and are
+  leftovers.
 
 A publish swaps staging and target in one ``renameat2(RENAME_EXCHANGE)`` (Linux), then removes the old checkpoint,
 now at the staging name; a first publish renames with ``RENAME_NOREPLACE``. Where the filesystem refuses the swap (or
 the system has no ``renameat2``), the target is renamed to the kept copy, staging to the target, then the kept copy
-is removed. Between those two renames no target exists, so the *recovery rule* applies: a kept copy with no target is
+is removed. A first publish that finds a target published meanwhile (another job saving to the same path) swaps with
+it instead. Between those two renames no target exists, so the *recovery rule* applies: a kept copy with no target is
 the checkpoint (:func:`readable` loads it, :func:`recover`, at the next save, moves it back), and a kept copy beside a
 target is the replaced one. Nothing is removed before its replacement is published. Removal never follows a link.
 """
@@ -25,12 +30,14 @@ import os
 import platform
 import secrets
 import shutil
+import socket
 import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from lightning_zero._creator import Creator
 from lightning_zero._files import tmpfile
 
 _AT_FDCWD = -100
@@ -138,6 +145,27 @@ def _staging_prefix(target: Path) -> str:
     return f".{target.name}.partial"
 
 
+def _host() -> str:
+    """This machine's name, as a staging name records it (characters a file name keeps plainly)."""
+    name = "".join(c for c in socket.gethostname() if c.isalnum() or c in ".-_")
+    return name or "unknown-host"
+
+
+def _saver_is_alive(staging: Path, target: Path) -> bool:
+    """Whether the save that created ``staging`` may still be running: its saver is recorded, is another process
+    (this one saves one checkpoint at a time, so its own are a failed save's), and is not known dead (a saver on
+    another host, or of another PID namespace, cannot be told dead)."""
+    prefix = _staging_prefix(target) + "-"
+    saver = Creator.of(staging.name, prefix)
+    if saver is None:
+        return False  # an earlier release's name, or this release's where /proc cannot tell: never alive
+    me = Creator.this_process()
+    host = staging.name.removeprefix(prefix).split("-", 4)[-1]
+    if me is None or host != _host() or saver.namespace != me.namespace:
+        return True
+    return saver != me and not saver.is_dead()
+
+
 def _is_real_directory(path: Path) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
@@ -159,10 +187,14 @@ def leftovers(target: Path) -> list[Path]:
 
 def make_staging_directory(target: Path) -> Path:
     """A new, empty staging directory for ``target``, created by this call (``mkdir`` fails on any existing name, a
-    link included, rather than following it), with the permissions any new directory gets."""
+    link included, rather than following it), with the permissions any new directory gets; its name records this
+    process as its saver."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    saver = Creator.this_process()
     for _ in range(100):
-        staging = target.parent / f"{_staging_prefix(target)}-{secrets.token_hex(8)}"
+        token = secrets.token_hex(8)
+        mark = token if saver is None else f"{saver.tag}-{token}-{_host()}"
+        staging = target.parent / f"{_staging_prefix(target)}-{mark}"
         try:
             os.mkdir(staging, 0o777)
         except FileExistsError:
@@ -198,9 +230,10 @@ def recover(target: Path) -> None:
 
 
 def reclaim(target: Path, keep: Callable[[Path], bool] = lambda _: False) -> None:
-    """Remove ``target``'s leftovers, except those ``keep`` holds on to."""
+    """Remove ``target``'s leftovers, except those ``keep`` holds on to; a staging directory of a save that may still
+    be running is none."""
     for leftover in leftovers(target):
-        if not keep(leftover):
+        if not keep(leftover) and not _saver_is_alive(leftover, target):
             remove(leftover)
 
 
@@ -211,9 +244,13 @@ def publish_directory(staging: Path, target: Path) -> None:
     """Put the complete directory ``staging`` at ``target`` and remove what ``target`` held. Call :func:`recover`
     first: the kept copy's name must be free."""
     if not os.path.lexists(target):
-        rename_new(staging, target)
-        fsync_directory(target.parent)
-        return
+        try:
+            rename_new(staging, target)
+        except FileExistsError:  # another job's save published there meanwhile: replace it as any checkpoint
+            pass
+        else:
+            fsync_directory(target.parent)
+            return
     try:
         exchange(staging, target)
     except OSError as error:

@@ -35,8 +35,8 @@ class Ranks:
         return values
 
     def on_first(self, action: Callable[[], T], what: str) -> T:
-        """Rank 0 runs ``action``; every rank returns its result, or raises where it failed (rank 0 its own error,
-        the others a :class:`CheckpointError` quoting it)."""
+        """Rank 0 runs ``action``; every rank returns its result, or raises where it failed: rank 0 its own error,
+        the others the same :class:`CheckpointError` where it is one, else a :class:`CheckpointError` quoting it."""
         result: Any = None
         failure: BaseException | None = None
         if self.rank == 0:
@@ -45,11 +45,11 @@ class Ranks:
             except Exception as error:
                 failure = error
         if self.size > 1:
-            shared = [result, None if failure is None else f"{type(failure).__name__}: {failure}"]
+            shared = [result, None if failure is None else _quoted(failure, what)]
             dist.broadcast_object_list(shared, src=0)
             result, message = shared
             if message is not None and failure is None:
-                raise CheckpointError(f"Rank 0 failed to {what}: {message}")
+                raise CheckpointError(message)
         if failure is not None:
             raise failure
         return result
@@ -63,6 +63,13 @@ class Ranks:
         if error is not None and str(error) == first:
             raise error
         raise CheckpointError(first)
+
+
+def _quoted(failure: BaseException, what: str) -> str:
+    """What the other ranks raise for rank 0's ``failure`` while it did ``what``."""
+    if isinstance(failure, CheckpointError):
+        return str(failure)
+    return f"Rank 0 failed to {what}: {type(failure).__name__}: {failure}"
 
 
 ALONE = Ranks()  # this process by itself

@@ -23,19 +23,23 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from lightning_zero._checkpoint.containment import open_file
 from lightning_zero._checkpoint.error import DAMAGE_HINT, TRUST_HINT, CheckpointError
+from lightning_zero._checkpoint.layout import StorageWindow, check_stored_chunk, expected_chunks
 
 
 class Unpickling(Enum):
@@ -221,13 +225,33 @@ def _reason(error: BaseException) -> str:
 # --- inside DCP's load -----------------------------------------------------------------------------------------------
 
 
+class _OwnFiles(FileSystem):
+    """DCP's file access, reading only the checkpoint's own files (see :mod:`.containment`)."""
+
+    @contextmanager
+    def create_stream(self, path: str | Path, mode: str) -> Iterator[IO[bytes]]:
+        path = Path(path)
+        with open_file(path.parent, path.name, "a file `.metadata` names") as stream:
+            yield stream
+
+
 class VerifiedReader(FileSystemReader):
-    """DCP's reader of a checkpoint directory, handed the ``Metadata`` already verified and unpickled with the
-    allow-list instead of unpickling ``.metadata`` again with ``pickle.load``."""
+    """DCP's reader of a checkpoint directory, handed the ``Metadata`` already verified (see :mod:`.layout`) and
+    unpickled with the allow-list instead of unpickling ``.metadata`` again with ``pickle.load``. It opens only the
+    checkpoint's own files, and checks each chunk's stored shape before DCP loads it."""
 
     def __init__(self, path: Path, metadata: Metadata) -> None:
         super().__init__(path)
+        self.fs = _OwnFiles()
         self._metadata = metadata
+        self._chunks = expected_chunks(metadata)
+
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+        view = StorageWindow(file, sinfo.offset, sinfo.length)
+        expected = self._chunks.get(id(sinfo))
+        if expected is not None:
+            check_stored_chunk(view, Path(self.path) / sinfo.relative_path, *expected)
+        return view
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         assert self._metadata.storage_meta is not None  # set by read_dcp_metadata

@@ -165,16 +165,17 @@ class Mode:
         module: nn.Module,
         optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
         weights_only: bool | None,
+        strict: bool = True,
     ) -> dict[str, Any]:
         """Load a checkpoint directory into the live module and the optimizers ``optimizers_for`` names, given what
         the checkpoint holds beyond the states (none when not fitting); return that. ``weights_only``: the user's,
-        what its pickled files may import."""
+        what its pickled files may import; ``strict``: as in ``load_state_dict``."""
         self.at_rest()
 
         def set_up_for(saved: dict[str, Any]) -> list[Optimizer]:
             return [as_set_up(o) for o in optimizers_for(saved)]
 
-        return load_directory(path, module, self.engine, set_up_for, weights_only)
+        return load_directory(path, module, self.engine, set_up_for, weights_only, strict)
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over): each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import sys
 
 import torch.distributed as dist
 
@@ -12,7 +13,15 @@ from lightning_zero._transport import shared_memory
 @atexit.register
 def _close_process_group() -> None:
     """Lightning leaves the process group open after training; torn down only by interpreter exit, gloo's worker
-    threads can be destroyed still joinable ("terminate called without an active exception"). Close it first."""
+    threads can be destroyed still joinable ("terminate called without an active exception"). Close it first.
+
+    After an uncaught exception, the interpreter keeps its traceback (``sys.last_traceback``, already printed) to the
+    very end, and with it every object the failed frames held (the module, the strategy, sharded tensors), which then
+    go only in the last collection of a half-finalized interpreter. Drop it here, so that they go as they do after a
+    run that ends without an error."""
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
     shared_memory.close_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

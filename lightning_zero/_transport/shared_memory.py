@@ -430,7 +430,11 @@ def _watchable(prefixes: list[str], me: int) -> dict[int, shm_files.Creator]:
     """Per peer rank, the process that created its files (named in its ``prefixes`` entry), where this process can
     tell whether it is alive: in the same PID namespace."""
     mine = shm_files.Creator.this_process()
-    creators = {rank: shm_files.Creator.of(Path(prefix).name) for rank, prefix in enumerate(prefixes) if rank != me}
+    creators = {
+        rank: shm_files.Creator.of(Path(prefix).name, shm_files.PREFIX)
+        for rank, prefix in enumerate(prefixes)
+        if rank != me
+    }
     if mine is None:
         return {}
     return {rank: c for rank, c in creators.items() if c is not None and c.namespace == mine.namespace}

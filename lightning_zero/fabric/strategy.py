@@ -225,7 +225,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
                 return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
 
-            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only)
+            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only, strict)
         else:
             checkpoint = self._read_file(source, weights_only)
             self._load_file_states(state, parts, module, checkpoint, strict, source)

@@ -343,10 +343,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
+        # loaded in place, so the keys are checked here, as Lightning's `load_model_state_dict` would check them
+        strict = self.lightning_module.strict_loading
         if is_deepspeed_checkpoint(directory):
             deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
-            return deepspeed.checkpoint_for(self.lightning_module, optimizers, self.lightning_module.strict_loading)
-        return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only)
+            return deepspeed.checkpoint_for(self.lightning_module, optimizers, strict)
+        return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only, strict)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable
@@ -27,6 +28,10 @@ from tests.workers.checkpoints import MODULE_KWARGS, trainer
 from tests.workers.modules import Classifier
 
 OLD_STEPS, NEW_STEPS, LATER_STEPS = 4, 6, 8
+FILE_SIZE_LIMIT = 64 * 2**10  # bytes: more than a rank's log, less than its shard file of the module below
+LARGE_HIDDEN = 160  # a shard file of about 300 KiB per rank (weights and Adam's two moments)
+SAVES = 12  # per job, in save_repeatedly
+SAVED_ROWS = 64  # of the one tensor save_repeatedly saves
 # Where a publish over an existing checkpoint can die, for each way of replacing it, and which checkpoint the target
 # must then hold.
 PUBLISH_STEPS = {
@@ -54,11 +59,13 @@ def case_target(out: Path, swap: str, step: str) -> Path:
     return out / swap / step / "checkpoints" / "checkpoint"
 
 
-def fit(max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, StepAtStart]:
+def fit(
+    max_steps: int, ckpt_path: Path | None = None, hidden: int = MODULE_KWARGS["hidden"], **kwargs: Any
+) -> tuple[pl.Trainer, StepAtStart]:
     pl.seed_everything(0)
     start = StepAtStart()
     t = trainer("zero2", max_steps, callbacks=[start])
-    t.fit(Classifier(**MODULE_KWARGS), ckpt_path=ckpt_path, **kwargs)
+    t.fit(Classifier(**{**MODULE_KWARGS, "hidden": hidden}), ckpt_path=ckpt_path, **kwargs)
     return t, start
 
 
@@ -123,6 +130,29 @@ def write_then_die(original: Callable[..., Any]) -> Callable[..., Any]:
     return write
 
 
+def saved_tensor(job: int, save: int) -> torch.Tensor:
+    """The tensor save ``save`` of job ``job`` writes: unlike any other's."""
+    return torch.arange(SAVED_ROWS * 3, dtype=torch.float32).reshape(SAVED_ROWS, 3) + 1000 * job + save
+
+
+def save_repeatedly(out: Path, job: int) -> None:
+    """Save :data:`SAVES` checkpoints of one row-sharded tensor to ``out/checkpoint``, as a job does while another
+    job saves to the same path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_zero._checkpoint.directory import save
+    from lightning_zero._checkpoint.ranks import Ranks
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for index in range(SAVES):
+        tensor = distribute_tensor(saved_tensor(job, index), mesh, [Shard(0)])
+        meta = {"checkpoint": {"job": job, "save": index}, "param_groups": {}, "sharded": {}}
+        save({"model/tensor": tensor}, meta, out / "checkpoint", Ranks.of_default_group())
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     phase, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ.get("RANK", 0))
@@ -171,6 +201,24 @@ def main() -> None:
         FileSystemWriter.write_data = write_then_die(FileSystemWriter.write_data)
         t.save_checkpoint(target)
         raise AssertionError("the save survived")
+    elif phase == "file_size_limit":  # rank 1 may write no file past FILE_SIZE_LIMIT bytes: its shard file fails
+        target = out / "checkpoints" / "checkpoint"
+        t, _ = fit(OLD_STEPS, hidden=LARGE_HIDDEN)
+        t.save_checkpoint(target)
+        if rank == 0:
+            torch.save(weights(t), out / "old.pt")
+        t, _ = fit(NEW_STEPS, hidden=LARGE_HIDDEN)
+        if rank == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so that a write past the limit fails with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, resource.RLIM_INFINITY))
+        try:
+            t.save_checkpoint(target)
+            error = None
+        except CheckpointError as failure:
+            error = f"{type(failure).__name__}: {failure}"
+        (out / f"error-rank{rank}.json").write_text(json.dumps(error))
+    elif phase == "save_repeatedly":  # argv: job; with a process group of its own, SAVES saves to one target
+        save_repeatedly(out, int(sys.argv[3]))
     elif phase == "resume_and_save":  # for each checkpoint given: resume from it, train on, save over it
         steps = {}
         for target in json.loads(sys.argv[3]):

@@ -160,7 +160,7 @@ def leftovers(pids: list[int]) -> list[str]:
     """Entries in /dev/shm of the processes ``pids``, or whose creator their name does not say (other runs' entries,
     of other tests running beside this one, are theirs to check)."""
     entries = [name for name in os.listdir("/dev/shm") if name.startswith(PREFIX)]
-    return [name for name in entries if (creator := Creator.of(name)) is None or creator.pid in pids]
+    return [name for name in entries if (creator := Creator.of(name, PREFIX)) is None or creator.pid in pids]
 
 
 def check_opening_alone(group: dist.ProcessGroup, window: str) -> None:

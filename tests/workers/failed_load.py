@@ -1,0 +1,59 @@
+"""Runs inside each of 2 processes (started by tests/launch.py) for tests/test_checkpoints.py's exit after a failed
+``fabric.load``; ``argv``: phase (``save``: a zero2 checkpoint of a module; ``load``: load it into a module with one
+layer more, which raises), dir.
+
+At exit, after lightning_zero's exit hook, it prints whether the module of the failed load is still alive: the
+traceback of an uncaught exception keeps its frames to the end of interpreter finalization unless that hook lets go.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+
+FAILED: list[weakref.ref] = []
+
+
+@atexit.register  # registered before lightning_zero's hook is, so it runs after it
+def _report() -> None:
+    gc.collect()
+    print(f"the failed load's module is alive after the exit hook: {[ref() is not None for ref in FAILED]}", flush=True)
+
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from torch import nn  # noqa: E402
+
+import lightning_zero  # noqa: E402, F401
+
+
+def set_up(layers: int) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="zero2")
+    fabric.launch()  # the processes exist already: this joins the process group
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters()))
+    return fabric, model, optimizer
+
+
+def load_into_a_larger_module(path: Path) -> None:
+    fabric, model, optimizer = set_up(3)
+    FAILED.append(weakref.ref(model))
+    fabric.load(path, {"model": model, "optimizer": optimizer})  # raises: the checkpoint lacks layer 2
+
+
+def main() -> None:
+    phase, out = sys.argv[1], Path(sys.argv[2])
+    if phase == "save":
+        fabric, model, optimizer = set_up(2)
+        fabric.save(out / "checkpoint", {"model": model, "optimizer": optimizer})
+    else:
+        load_into_a_larger_module(out / "checkpoint")
+
+
+if __name__ == "__main__":
+    main()
