@@ -3,8 +3,9 @@ the names they are registered under."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -19,7 +20,6 @@ from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
-Strategy = TypeVar("Strategy", bound=type)
 
 
 class ZeroFrontEnd:
@@ -113,32 +113,13 @@ def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default:
     return property(get, set_)
 
 
-def with_fixed_stages(base: Strategy) -> tuple[Strategy, Strategy, Strategy]:
-    """``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` of a front end: its ``ZeroStrategy`` with the
-    stage fixed, defined in ``base``'s module (assign them to those names there, so that they pickle by reference)."""
-    summaries = {
-        Stage.OPTIMIZER: "Shards optimizer state; every rank keeps full parameters and full averaged gradients.",
-        Stage.GRADIENTS: "Shards optimizer state and gradients; full gradients are freed as soon as their bucket is"
-        " reduced.",
-        Stage.PARAMETERS: "Shards optimizer state, gradients and parameters; each unit's parameters are gathered only"
-        " around its use.",
-    }
-    classes = []
-    for stage, summary in summaries.items():
-        name = f"Zero{int(stage)}Strategy"
-        attributes = {"fixed_stage": stage, "__doc__": summary, "__module__": base.__module__, "__qualname__": name}
-        classes.append(type(name, (base,), attributes))
-    return tuple(classes)  # type: ignore[return-value]
-
-
 def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]) -> None:
     """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and ``"zero3_offload"`` for a front end's
     ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
     for strategy in classes:
         stage = int(strategy.fixed_stage)
-        registry.register(
-            f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {strategy.__doc__}", override=True
-        )
+        summary = " ".join(inspect.getdoc(strategy).split("\n\n")[0].split())  # the docstring's first paragraph
+        registry.register(f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {summary}", override=True)
     _, zero2, zero3 = classes
     offloaded = {"offload_optimizer": True}
     for name, strategy, options, where in (

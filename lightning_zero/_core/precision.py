@@ -2,8 +2,8 @@
 stage keeps them, and the engine's loss scaling where gradients are fp16 and sharded.
 
 Each front end maps every plugin class a ``precision=`` flag gives a DDP-style strategy to a ZeRO-aware subclass
-defined at module level, so a strategy holding one pickles by reference (``start_method="spawn"`` sends it to every
-rank). The plugin Lightning built becomes an instance of that subclass in place, keeping its settings.
+written in its ``precision`` module, so a strategy holding one pickles by reference (``start_method="spawn"`` sends
+it to every rank). The plugin Lightning built becomes an instance of that subclass in place, keeping its settings.
 """
 
 from __future__ import annotations
@@ -52,25 +52,15 @@ class ZeroPrecisionMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-def zero_aware_classes(mixin: type, bases: tuple[type, ...], module: str) -> dict[type, type]:
-    """The ZeRO-aware subclass of each of ``bases`` (Lightning's ``Precision``, ``MixedPrecision``, ...), ``mixin``
-    first: ``Zero`` and the base's name, defined in ``module`` (assign each to that name there, so that a plugin
-    pickles by reference)."""
-    classes = {}
-    for base in bases:
-        name = f"Zero{base.__name__}"
-        classes[base] = type(name, (mixin, base), {"__module__": module, "__qualname__": name})
-    return classes
-
-
-def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
-    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of its class's entry in
-    ``classes`` (the ZeRO-aware subclass defined in module ``where``), with its settings kept."""
+def zero_aware(plugin: Plugin, classes: tuple[type, ...], where: str) -> Plugin:
+    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of the one of ``classes`` (the
+    ZeRO-aware subclasses defined in module ``where``, each of one Lightning class) made for its class, with its
+    settings kept."""
     if isinstance(plugin, ZeroPrecisionMixin):
         return plugin
-    zero_class = classes.get(type(plugin))
+    zero_class = next((cls for cls in classes if _adapted(cls) is type(plugin)), None)
     if zero_class is None:
-        known = ", ".join(f"`{cls.__name__}`" for cls in classes)
+        known = ", ".join(f"`{_adapted(cls).__name__}`" for cls in classes)
         raise TypeError(
             f"The precision plugin `{type(plugin).__name__}` is not one the ZeRO strategies can adapt; they clip and"
             f" scale sharded gradients in Lightning's {known}. HINT: pass `precision=...` with one of '32-true',"
@@ -79,6 +69,11 @@ def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
         )
     plugin.__class__ = zero_class
     return plugin
+
+
+def _adapted(zero_class: type) -> type:
+    """The Lightning class a ZeRO-aware class adapts: its last base, after the mixin."""
+    return zero_class.__bases__[-1]
 
 
 def take_over_scaler(plugin: ZeroPrecisionMixin) -> bool:

@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
+from lightning_zero._config import Stage, ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState
 
@@ -244,4 +244,31 @@ class _NoSync(_BackwardSyncControl):
         return self._strategy.mode.no_sync() if enabled else nullcontext()
 
 
-Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)
+class Zero1Strategy(ZeroStrategy):
+    """Shards optimizer state; every rank keeps full parameters and full averaged gradients.
+
+    ``Fabric(strategy="zero1")``, or this class with the options of ``ZeroStrategy``: ``fabric.setup(model,
+    optimizer)`` wraps the optimizer to step on this rank's shards, and ``fabric.save`` writes them alone.
+    """
+
+    fixed_stage = Stage.OPTIMIZER
+
+
+class Zero2Strategy(ZeroStrategy):
+    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced.
+
+    ``Fabric(strategy="zero2")`` or ``"zero2_offload"``, or this class with the options of ``ZeroStrategy``;
+    ``fabric.no_backward_sync(model)`` keeps reducing into the gradient shards, so full gradients never pile up.
+    """
+
+    fixed_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
+
+    ``Fabric(strategy="zero3")`` or ``"zero3_offload"``, or this class with the options of ``ZeroStrategy``.
+    Under ``fabric.init_module()`` layers with ``reset_parameters()`` are born on the meta device.
+    """
+
+    fixed_stage = Stage.PARAMETERS

@@ -30,8 +30,8 @@ from typing_extensions import override
 from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.live import save_directory
-from lightning_zero._config import ModuleOption, ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
+from lightning_zero._config import ModuleOption, Stage, ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -365,6 +365,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 stacklevel=2,
             )
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+
     @override
     def teardown(self) -> None:
         self.mode.teardown()
@@ -372,10 +377,32 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             self._layer_sync = None
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+
+class Zero1Strategy(ZeroStrategy):
+    """Shards optimizer state; every rank keeps full parameters and full averaged gradients.
+
+    ``Trainer(strategy="zero1")`` or ``Trainer(strategy=Zero1Strategy(...))``, with the options of ``ZeroStrategy``.
+    """
+
+    fixed_stage = Stage.OPTIMIZER
 
 
-Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)
+class Zero2Strategy(ZeroStrategy):
+    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced.
+
+    ``Trainer(strategy="zero2")``, ``"zero2_offload"`` (optimizer in host memory) or
+    ``Trainer(strategy=Zero2Strategy(...))``, with the options of ``ZeroStrategy``.
+    """
+
+    fixed_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
+
+    ``Trainer(strategy="zero3")``, ``"zero3_offload"`` (shards and optimizer in host memory) or
+    ``Trainer(strategy=Zero3Strategy(...))``, with the options of ``ZeroStrategy``; large models build their
+    layers in ``configure_model``, on the meta device, and get their values shard by shard.
+    """
+
+    fixed_stage = Stage.PARAMETERS
