@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.live import load_full_optimizer_state_into_dtensors
 from lightning_zero._core.mode import Mode, sync_from_rank_zero
-from lightning_zero._engine.optimizer import unwrap
+from lightning_zero._core.optimizers import unwrap
 from lightning_zero._offload.kernels import KernelChoice
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._stage3.meta_init import MetaInit, materialize

@@ -30,17 +30,17 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, sharded_model_state
 from lightning_zero._config import ZeroConfig
+from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.engine import ZeroEngine
-from lightning_zero._engine.optimizer import as_set_up, check_configured, unwrap
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
+from lightning_zero._transport.torch_private import sync_module_states
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
 
@@ -215,4 +215,4 @@ _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial
 
 def sync_from_rank_zero(module: nn.Module, group: ProcessGroup, skip: set[str] | None = None) -> None:
     """Every rank starts from rank 0's parameters and buffers, as under DDP (except those named in ``skip``)."""
-    _sync_module_states(module, group, _BROADCAST_BUCKET_BYTES, 0, skip or set())
+    sync_module_states(module, group, _BROADCAST_BUCKET_BYTES, 0, skip or set())

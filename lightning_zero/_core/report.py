@@ -10,13 +10,13 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core import rank_zero
 from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from lightning_zero._engine.optimizer import unwrap
+from lightning_zero._core.optimizers import unwrap
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
 from lightning_zero.memory import ModelStateBytes, communication_bytes, measure
 

@@ -12,7 +12,6 @@ Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.gr
 
 from __future__ import annotations
 
-import math
 from enum import Enum, auto
 from functools import partial
 
@@ -21,7 +20,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero._config import Stage
-from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout
+from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout, ShardSpec
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
@@ -249,7 +248,7 @@ class AllReduceReducer(GradientReducer):
         bucket.layout = NaturalLayout([s.param.shape for s in bucket.params])
         numel = bucket.layout.numel
         if self.replicas is not None:  # hybrid sharding reduces it in chunks, one per rank of the shard group
-            numel = math.ceil(numel / self.world_size) * self.world_size
+            numel = ShardSpec(torch.Size((numel,)), self.world_size).padded_rows
         bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
         bucket.output = bucket.buffer
         bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]

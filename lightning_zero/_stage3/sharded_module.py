@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_zero._config import ZeroConfig
+from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import collectives as comm
@@ -77,7 +78,7 @@ class ShardedModule:
         }
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         sizes = [
-            fsdp_comms.gathered_bytes(params, mesh.shard.size(), param_dtype)
+            gathered_bytes(params, mesh.shard.size(), param_dtype)
             for params in _unit_parameters([*units, module], set(self.replicated))
         ]
         # The ring rotates the units; the root is gathered once a step and stays gathered through it, so a root
@@ -246,6 +247,16 @@ def check_even_batches(counts: list[float], loop: str, group: ProcessGroup) -> N
         " (`Trainer(use_distributed_sampler=True)`, which pads every rank to the same length), give every rank a"
         f" dataset of the same size, or set `limit_{limit}_batches` to an int that every rank reaches."
     )
+
+
+def gathered_bytes(params: list[nn.Parameter], world_size: int, param_dtype: torch.dtype | None) -> int:
+    """What ``fully_shard`` all-gathers for one unit: each parameter's rows padded to a multiple of the world size, in
+    the dtype it is gathered in."""
+    total = 0
+    for param in params:
+        spec = ShardSpec(param.shape, world_size)
+        total += spec.padded_rows * spec.row_numel * (param_dtype or param.dtype).itemsize
+    return total
 
 
 def _unit_parameters(units: list[nn.Module], ignored: set[nn.Parameter]) -> list[list[nn.Parameter]]:
