@@ -35,7 +35,8 @@ class EngineMode(Mode):
             replaces_grad_scaler = take_over_scaler(precision)
             dtypes = EnginePrecision.of(self.config, module, replaces_grad_scaler=replaces_grad_scaler)
             reducer = reducer_for(self.config.stage)
-            self.engine = ZeroEngine(module, reducer, self._mesh(), self.config.bucket_bytes, dtypes)
+            mesh, bucket_bytes = self._mesh(), self.config.bucket_bytes
+            self.engine = ZeroEngine(module, reducer, mesh, bucket_bytes, dtypes, self.placement)
             precision.zero_loss_scaler = self.engine.scaler
         return [self.engine.shard_optimizer(optimizer) for optimizer in optimizers]
 

@@ -15,8 +15,7 @@ from torch.optim import Optimizer
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -29,6 +28,7 @@ class ZeroFrontEnd:
     fixed_stage: ClassVar[Stage | None] = None  # the stage a ``Zero{N}Strategy`` runs; ``ZeroStrategy`` takes ``stage``
     config: ZeroConfig
     _mode: Mode | None = None
+    _placement: Placement | None = None
     _report_due = False  # whether the next optimizer step is the first of a run, which logs the memory report
     # given by the front end's ``DDPStrategy``
     root_device: torch.device
@@ -43,11 +43,22 @@ class ZeroFrontEnd:
         return self.config.stage
 
     @property
+    def placement(self) -> Placement:
+        """Where the optimizer's side of training lives (see :mod:`lightning_zero._offload.placement`), chosen once
+        from the options."""
+        if self._placement is None:
+            config = self.config
+            offload_dir, pin_memory = config.offload_dir, config.pin_memory
+            self._placement = placement_for(config.offload, offload_dir=offload_dir, pin_memory=pin_memory)
+        return self._placement
+
+    @property
     def mode(self) -> Mode:
         """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
         is known."""
         if self._mode is None:
-            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes, self.num_processes)
+            ranks = self.num_nodes * self.num_processes
+            self._mode = choose_mode(self.config, self.placement, ranks, self.num_processes)
         return self._mode
 
     def _refuse_storage_options(self, storage_options: Any | None) -> None:
@@ -58,9 +69,8 @@ class ZeroFrontEnd:
             )
 
     def _get_process_group_backend(self) -> str:
-        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
-            return super()._get_process_group_backend()  # type: ignore[misc]
-        return backend_with_host(self._process_group_backend)
+        backend = self.placement.process_group_backend(self._process_group_backend, self.root_device.type)
+        return backend if backend is not None else super()._get_process_group_backend()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
         device_type = self.root_device.type
@@ -70,8 +80,7 @@ class ZeroFrontEnd:
                 " HINT: pass `accelerator='cpu'` or `accelerator='gpu'`."
             )
         super().setup_environment()  # type: ignore[misc]
-        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
-            check_host_collectives()
+        self.placement.check_process_group(device_type)
 
     def _reported_step(
         self, optimizer: Optimizer, step: Callable[[], Any], module: nn.Module, optimizers: Iterable[Optimizer]
@@ -90,7 +99,7 @@ class ZeroFrontEnd:
                     num_nodes=self.num_nodes,
                     master_weights=self.config.master_weights,
                     engine=self.mode.engine,
-                    offload=self.config.offload is not OffloadTarget.DEVICE,
+                    offload=self.placement.offloads,
                     shard_group_size=self.mode.shard_size,
                 )
                 log_info(report)

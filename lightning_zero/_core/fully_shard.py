@@ -14,16 +14,12 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.live import load_full_optimizer_state_into_dtensors
 from lightning_zero._core.mode import Mode, sync_from_rank_zero
-from lightning_zero._core.optimizers import unwrap
-from lightning_zero._offload.kernels import KernelChoice
-from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._stage3.meta_init import MetaInit, materialize
 from lightning_zero._stage3.sharded_module import (
     ShardedModule,
     check_even_batches,
     check_plain_loss,
     masters_in_fp32,
-    offload_policy,
     precision_policy,
 )
 from lightning_zero._wrap import choose_units
@@ -39,7 +35,6 @@ class FullyShardMode(Mode):
         super().__init__(*args, **kwargs)
         self.sharded: ShardedModule | None = None
         self.meta_init = MetaInit()
-        self._kernels: dict[int, KernelChoice] = {}  # offloaded: each optimizer's host kernels, by ``id``
         # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
         self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
@@ -68,16 +63,14 @@ class FullyShardMode(Mode):
         precision = precision_policy(self.config, module)
         if self.config.master_weights:  # the policy gathers them in bf16
             masters_in_fp32(module)
-        offload = offload_policy(self.config, self.device)
-        self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)
-        materialize(module, resets, self.device, mesh, shards_on_host=offload is not None)
+        self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
+        materialize(module, resets, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""
         for optimizer in optimizers:
             self._adopt_shards(module, optimizer)
-            if self.config.offload is not OffloadTarget.DEVICE:  # decided now, with the shards where they stay
-                self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
+            self.placement.keep_step_kernels(optimizer)  # decided now, with the shards where they stay
         return optimizers
 
     def _adopt_shards(self, module: nn.Module, optimizer: Optimizer) -> None:
@@ -126,13 +119,6 @@ class FullyShardMode(Mode):
     def after_backward(self) -> None:
         if self.sharded is not None and self.sharded.gradient_sync:
             self.sharded.reduce_replicated_grads()
-
-    def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
-        """Offloaded, the host step uses torch's fused or multi-tensor CPU kernels."""
-        inner = unwrap(optimizer)
-        kernels = self._kernels.get(id(inner))
-        with nullcontext() if kernels is None else kernels.applied(inner):
-            return super().optimizer_step(optimizer, step)
 
     def before_evaluation(self, counts: list[float], loop: str) -> None:
         if self.sharded is not None:

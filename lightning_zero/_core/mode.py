@@ -36,8 +36,7 @@ from lightning_zero._checkpoint.live import load_directory, named_optimizer_stat
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.engine import ZeroEngine
-from lightning_zero._offload.disk import DiskState
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
 from lightning_zero._transport.torch_private import sync_module_states
@@ -52,13 +51,13 @@ class Mode:
     #: manages their parameters, and swapping the layers back would leave the parameters on modules it no longer sees)
     keeps_sync_batchnorm: ClassVar[bool] = False
 
-    def __init__(self, config: ZeroConfig, ranks_per_node: int = 1) -> None:
+    def __init__(self, config: ZeroConfig, placement: Placement, ranks_per_node: int = 1) -> None:
         self.config = config
+        self.placement = placement  # where masters, gradient shards, optimizer state and the step live
         self.ranks_per_node = ranks_per_node  # for ``shard_group_size="node"``
         self.device = torch.device("cpu")  # set by ``setup_module``
         self.engine: ZeroEngine | None = None  # stages 1 and 2, once the optimizers are set up
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
-        self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
 
     # --- construction and setup ---------------------------------------------------------------------------------
 
@@ -84,9 +83,6 @@ class Mode:
         ``precision`` is the front end's ZeRO-aware precision plugin."""
         for optimizer in optimizers:
             check_configured(optimizer)
-        if self.config.offload is OffloadTarget.DISK and self._disk is None:
-            assert self.config.offload_dir is not None
-            self._disk = DiskState(self.config.offload_dir)
         return self._wrap_optimizers(module, optimizers, precision)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
@@ -133,12 +129,10 @@ class Mode:
         """After each backward pass."""
 
     def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
-        """Run ``step``, the front end's optimizer step; disk-offloaded state created or replaced by it then moves into
-        its files."""
-        output = step()
-        if self._disk is not None:
-            self._disk.adopt(unwrap(optimizer))
-        return output
+        """Run ``step``, the front end's optimizer step, as the placement steps (host kernels, state moved into its
+        files after it)."""
+        with self.placement.stepping(unwrap(optimizer)):
+            return step()
 
     def before_evaluation(self, counts: list[float], loop: str) -> None:
         """Before an evaluation loop (``"validation"``, ``"test"``, ``"predict"``) of ``counts`` batches per dataloader
@@ -185,7 +179,7 @@ class Mode:
         shards of it, on the device unless they are offloaded."""
         optimizer = as_set_up(optimizer)
         self._load_full_optimizer_state(optimizer, state_dict)
-        if self.config.offload is OffloadTarget.DEVICE:  # offloaded state stays where the loaders put it
+        if self.placement.state_on_device:  # offloaded state stays where the loaders put it
             _optimizer_to_device(optimizer, self.device)
 
     def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -198,7 +192,7 @@ class Mode:
 
     def teardown(self) -> None:
         """After training: release what only training needs; checkpoints can still be written."""
-        self._disk = None  # its files go with the last tensor mapping them
+        self.placement.teardown()
 
     @property
     def shard_size(self) -> int:

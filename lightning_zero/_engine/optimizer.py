@@ -36,21 +36,20 @@ class ZeroOptimizer(Optimizer):
         gather: Callable[[set[int]], None],
         scaler: LossScaler | None = None,
         *,
-        host: bool = False,
+        choose_kernels: Callable[[Optimizer], KernelChoice],
     ) -> None:
         # The base constructor is skipped on purpose: this object owns no parameters of its own.
         self.optimizer = optimizer
         self._grad_home = grad_home
         self._gather = gather
         self._scaler = scaler
-        self._host = host  # offloaded: the step runs on host masters
         self._module_groups = [list(group["params"]) for group in optimizer.param_groups]
         # the same groups with every sharded parameter replaced by its shard (frozen ones stay as they are)
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
         self.sharded = [shards[id(p)] for ps in self._module_groups for p in ps if id(p) in shards]
         self._shard_ids = {id(s.shard) for s in self.sharded}
         with self.shards_installed():
-            self._kernels = KernelChoice.on_shards(optimizer, host=host)
+            self._kernels = choose_kernels(optimizer)  # the placement's: decided once, on the shards
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
@@ -93,8 +92,10 @@ class ZeroOptimizer(Optimizer):
                 for sharded in self.sharded:
                     sharded.release_grad_copy()
             with torch.no_grad():
-                if self._masters:  # from the host: asynchronous, ordered before the gather on the device's stream
-                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=self._host)
+                # from host masters: asynchronous, ordered before the gather on the device's stream (a copy within one
+                # device is asynchronous anyway)
+                if self._masters:
+                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=True)
                 self._gather(self._shard_ids)
         if self._scaler is not None:
             self._scaler.update()

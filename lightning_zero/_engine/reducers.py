@@ -226,7 +226,7 @@ class GradientReducer:
         """Offloaded: a pinned host buffer per parameter, filled when its gradient is published."""
         to_host = [s for bucket in buckets for s in bucket.params if s.grad_to_host]
         for sharded, host_grad in zip(to_host, host_copies([s.master for s in to_host], None, True), strict=True):
-            sharded.use_host_grad(host_grad)
+            sharded.use_master_grad(host_grad)
 
     def _copy_to_host(self, bucket: Bucket) -> None:
         """Stage 2 offloaded: the whole bucket's gradient shards to its host mirror in one copy, on a side stream so
@@ -354,7 +354,7 @@ class ReduceScatterReducer(GradientReducer):
             for bucket, mirror in zip(mirrored, mirrors, strict=True):
                 bucket.host_mirror = mirror
                 for index, sharded in enumerate(bucket.params):
-                    sharded.use_host_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
+                    sharded.use_master_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
         super()._give_host_grads([b for b in buckets if b.host_mirror is None])
 
     def _publish(self, bucket: Bucket) -> None:

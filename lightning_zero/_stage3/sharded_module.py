@@ -33,13 +33,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms
 from lightning_zero._transport.mesh import DataParallelMesh
@@ -66,9 +66,11 @@ class ShardedModule:
         units: list[nn.Module],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy | None = None,
-        offload_policy: OffloadPolicy | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._module = weakref.ref(module)
+        offload_policy = placement.fsdp_offload_policy(device) if placement is not None else None
+        self.shards_on_host = offload_policy is not None  # the placement's: shards, gradients, optimizer state
         self.group: ProcessGroup = mesh.world  # every data-parallel rank: replicated gradients average over them
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         policies = {
@@ -190,14 +192,6 @@ class ShardedModule:
         """Keep of each whole tensor in ``state_dict`` (every rank has read the checkpoint) this rank's rows."""
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.module, state_dict, options=options)
-
-
-def offload_policy(config: ZeroConfig, device: torch.device) -> OffloadPolicy | None:
-    """The shards are the optimizer's parameters: offloading either keeps them, their gradients and the optimizer
-    state on the host (``fully_shard``'s CPU offload), and the step runs there."""
-    if config.offload is OffloadTarget.DEVICE:
-        return None
-    return CPUOffloadPolicy(pin_memory=config.pin_memory and device.type == "cuda")
 
 
 def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
