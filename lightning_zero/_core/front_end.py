@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
+from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
 from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
@@ -82,6 +83,14 @@ class ZeroFrontEnd:
         super().setup_environment()  # type: ignore[misc]
         self.placement.check_process_group(device_type)
 
+    def _set_up_optimizers(self, module: nn.Module, optimizers: list[Optimizer], plugin: Any) -> list[Optimizer]:
+        """The mode's optimizers, and the front end's ZeRO-aware precision ``plugin`` told how the loss is scaled: by
+        the mode's loss scaler where it takes the place of the plugin's ``GradScaler``."""
+        taken = self.mode.replaces_grad_scaler and take_over_scaler(plugin)
+        optimizers = self.mode.setup_optimizers(module, optimizers, grad_scaler_taken=taken)
+        plugin.zero_loss_scaler = self.mode.loss_scaler
+        return optimizers
+
     def _reported_step(
         self, optimizer: Optimizer, step: Callable[[], Any], module: nn.Module, optimizers: Iterable[Optimizer]
     ) -> Any:
@@ -98,7 +107,7 @@ class ZeroFrontEnd:
                     num_ranks=self.world_size,
                     num_nodes=self.num_nodes,
                     master_weights=self.config.master_weights,
-                    engine=self.mode.engine,
+                    buffers=self.mode.buffers,
                     offload=self.placement.offloads,
                     shard_group_size=self.mode.shard_size,
                 )
@@ -108,8 +117,8 @@ class ZeroFrontEnd:
 
 def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default: Callable[[], Any]) -> property:
     """The front end's precision plugin property, kept in ``attribute``: whatever plugin is set becomes ZeRO-aware
-    (``zero_aware``), and with none set a ZeRO-aware ``default()`` is made once and kept, since the mode gives the
-    plugin the engine's loss scaler."""
+    (``zero_aware``), and with none set a ZeRO-aware ``default()`` is made once and kept, since the front end gives
+    the plugin the mode's loss scaler."""
 
     def get(self: Any) -> Any:
         if getattr(self, attribute) is None:

@@ -16,12 +16,21 @@ Vocabulary:
   for checkpoints; ``settle_after_failure`` after an exception (Trainer only); ``teardown``.
 - **at rest**: the module holds exactly what the optimizers update (stage 3's gathered units freed), which is what
   checkpoints name.
+- **life cycle**: :class:`LifeCycle`, moved by ``setup_module``, ``setup_optimizers`` and ``teardown`` alone; a
+  call that means nothing yet (``no_sync`` before the optimizers exist, say) does nothing.
+- **placement**: where the optimizer's side of training lives (:mod:`lightning_zero._offload.placement`), chosen
+  beside the mode; a mode asks it and never reads the offload options itself.
+
+A mode never changes the front end's objects: it returns what they need (the optimizers as they step, the
+:attr:`Mode.loss_scaler` the precision plugin multiplies the loss by, the :attr:`Mode.buffers` the memory report
+counts) and the front end puts them where they go.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,12 +45,23 @@ from lightning_zero._checkpoint.live import load_directory, named_optimizer_stat
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.engine import ZeroEngine
+from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
 from lightning_zero._transport.torch_private import sync_module_states
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
+from lightning_zero.memory import BufferHolder
+
+
+class LifeCycle(Enum):
+    """Where a mode is between the front end's calls."""
+
+    NEW = auto()  # no module set up yet
+    PLACED = auto()  # the module is placed as the mode trains it (stage 3: sharded); no optimizers (evaluation)
+    TRAINING = auto()  # the optimizers are set up: gradients are reduced during backward, steps run
+    TORN_DOWN = auto()  # after training: checkpoints are still written and read, nothing is reduced
 
 
 class Mode:
@@ -50,13 +70,16 @@ class Mode:
     #: whether the module keeps Lightning's ``SyncBatchNorm`` layers after training (stage 3: ``fully_shard``
     #: manages their parameters, and swapping the layers back would leave the parameters on modules it no longer sees)
     keeps_sync_batchnorm: ClassVar[bool] = False
+    #: whether the mode scales the loss itself where a precision plugin's ``GradScaler`` would (fp16 gradients in
+    #: shards: the scaler would look only at this rank's shards for overflows); the front end takes the scaler away
+    replaces_grad_scaler: ClassVar[bool] = False
 
     def __init__(self, config: ZeroConfig, placement: Placement, ranks_per_node: int = 1) -> None:
         self.config = config
         self.placement = placement  # where masters, gradient shards, optimizer state and the step live
         self.ranks_per_node = ranks_per_node  # for ``shard_group_size="node"``
         self.device = torch.device("cpu")  # set by ``setup_module``
-        self.engine: ZeroEngine | None = None  # stages 1 and 2, once the optimizers are set up
+        self.state = LifeCycle.NEW
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
 
     # --- construction and setup ---------------------------------------------------------------------------------
@@ -72,46 +95,59 @@ class Mode:
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.config.activation_checkpointing)
         self._place(module)
+        self.state = LifeCycle.PLACED
         self._buffers_due = True
 
     def _place(self, module: nn.Module) -> None:
         """Put the module on ``self.device`` as this mode trains it, every rank starting from rank 0's weights."""
         raise NotImplementedError
 
-    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+    def setup_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], *, grad_scaler_taken: bool = False
+    ) -> list[Optimizer]:
         """The optimizers ``configure_optimizers`` (or the user) built on ``module``'s parameters, as they step here.
-        ``precision`` is the front end's ZeRO-aware precision plugin."""
+        ``grad_scaler_taken``: the front end took its precision plugin's ``GradScaler`` away (see
+        :attr:`replaces_grad_scaler`), so the loss is scaled by :attr:`loss_scaler` instead."""
         for optimizer in optimizers:
             check_configured(optimizer)
-        return self._wrap_optimizers(module, optimizers, precision)
+        wrapped = self._wrap_optimizers(module, optimizers, grad_scaler_taken)
+        self.state = LifeCycle.TRAINING
+        return wrapped
 
-    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+    def _wrap_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], grad_scaler_taken: bool
+    ) -> list[Optimizer]:
         """What ``setup_optimizers`` returns, after the common checks."""
         raise NotImplementedError
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The loss scaler the precision plugin multiplies the loss by, when the mode scales it."""
+        return None
 
     # --- the step ---------------------------------------------------------------------------------------------------
 
     @property
-    def group(self) -> ProcessGroup | None:
+    def _sync_group(self) -> ProcessGroup | None:
         """The data-parallel group (every rank, across the shard groups of hybrid sharding), once the mode
         communicates; ``None`` while there is nothing to synchronise."""
         return None
 
     @property
-    def gradient_sync(self) -> bool:
+    def _gradient_sync(self) -> bool:
         """Whether the current backward pass reduces gradients across ranks (not inside ``no_sync``)."""
         return True
 
     def before_step(self, module: nn.Module) -> None:
         """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule: so
         BatchNorm statistics evolve as they would under ``"ddp"``."""
-        group = self.group
+        group = self._sync_group
         if not self.config.broadcast_buffers or group is None:
             return
         if self._buffers_due:
             with torch.no_grad():
                 comm.broadcast_(list(module.buffers()), group)
-        self._buffers_due = torch.is_grad_enabled() and self.gradient_sync
+        self._buffers_due = torch.is_grad_enabled() and self._gradient_sync
 
     def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
         """Run one step of a LightningModule hook, given two ways to call it: ``plain``, directly, or ``as_forward``,
@@ -146,7 +182,7 @@ class Mode:
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         """The module's state dict for a checkpoint: sharded parameters as DTensors over this rank's rows."""
         self.at_rest()
-        return sharded_model_state(module, self.engine)
+        return sharded_model_state(module, self._sharding_engine())
 
     def optimizer_state(self, optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
         """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
@@ -168,7 +204,11 @@ class Mode:
         def set_up_for(saved: dict[str, Any]) -> list[Optimizer]:
             return [as_set_up(o) for o in optimizers_for(saved)]
 
-        return load_directory(path, module, self.engine, set_up_for, weights_only)
+        return load_directory(path, module, self._sharding_engine(), set_up_for, weights_only)
+
+    def _sharding_engine(self) -> ZeroEngine | None:
+        """The stage 1/2 engine whose shards a checkpoint names in place of the module's parameters, if any."""
+        return None
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint)."""
@@ -193,6 +233,12 @@ class Mode:
     def teardown(self) -> None:
         """After training: release what only training needs; checkpoints can still be written."""
         self.placement.teardown()
+        self.state = LifeCycle.TORN_DOWN
+
+    @property
+    def buffers(self) -> BufferHolder | None:
+        """What the mode holds beyond the module's parameters and the optimizers' state, for the memory report."""
+        return None
 
     @property
     def shard_size(self) -> int:

@@ -146,6 +146,17 @@ class ZeroEngine:
             choose_kernels=self.placement.shard_kernels,
         )
 
+    # --- what it holds beyond the module and the optimizers (a ``lightning_zero.memory.BufferHolder``) --------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return self.reducer.kept_buffers()
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return [s.master for s in self.sharded if s.has_master]
+
+    def communication_bytes(self) -> int:
+        return self.pool.nbytes()
+
     def module_from_masters(self) -> None:
         """Make the module's full parameters current from every rank's masters (after loading into them)."""
         with_master = [s for s in self.sharded if s.has_master]

@@ -129,6 +129,11 @@ class GradientReducer:
         if to_host:
             self._give_host_grads([b for b in self.buckets if any(s.grad_to_host for s in b.params)])
 
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The gradient storage the buckets keep between steps: stage 2's gradient shards, stage 1's full buffers."""
+        kept = [b.shard_grads if b.shard_grads is not None else b.buffer for b in self.buckets]
+        return [t for t in kept if t is not None]
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -102,7 +102,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards)."""
         module = self.setup_module(module)
-        return module, self.mode.setup_optimizers(module, optimizers, self.precision), scheduler
+        return module, self._set_up_optimizers(module, optimizers, self.precision), scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -124,7 +124,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 "The ZeRO strategies shard an optimizer along the parameters of its module."
                 " HINT: call `fabric.setup_module(model)` (or `fabric.setup(model, optimizer)`) first."
             )
-        return self.mode.setup_optimizers(self._module, [optimizer], self.precision)[0]
+        return self._set_up_optimizers(self._module, [optimizer], self.precision)[0]
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.mode.before_step(module)

@@ -7,8 +7,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 
-from lightning_zero._core.precision import ZeroPrecisionMixin
-from lightning_zero._core.precision import zero_aware as _zero_aware
+from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_class
 
 
 class _TrainerMixin(ZeroPrecisionMixin):
@@ -36,4 +35,7 @@ _ZERO_AWARE = (ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoubleP
 
 
 def zero_aware(plugin: Precision) -> Precision:
-    return _zero_aware(plugin, _ZERO_AWARE, __name__)
+    """Make ``plugin`` (Lightning's, as the ``precision`` flag chose it) ZeRO-aware in place, settings kept."""
+    if not isinstance(plugin, ZeroPrecisionMixin):
+        plugin.__class__ = zero_aware_class(plugin, _ZERO_AWARE, __name__)
+    return plugin

@@ -170,7 +170,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
-        self.optimizers = self.mode.setup_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
+        self.optimizers = self._set_up_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
 
     @override
     def optimizer_step(
