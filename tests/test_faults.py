@@ -24,6 +24,8 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from tests.launch import start
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 TIMEOUT = 5
 REPORTED_WITHIN = TIMEOUT + 3
 EXITED_WITHIN = TIMEOUT + 20
