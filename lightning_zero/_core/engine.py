@@ -6,13 +6,15 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_full_optimizer_state
+from lightning_zero._checkpoint.live import OptimizerEntries
 from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
+from lightning_zero._core.optimizers import as_set_up
 from lightning_zero._engine.engine import EnginePrecision, ZeroEngine
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.optimizer import ZeroOptimizer
@@ -58,8 +60,22 @@ class EngineMode(Mode):
     def buffers(self) -> BufferHolder | None:
         return self.engine
 
-    def _sharding_engine(self) -> ZeroEngine | None:
-        return self.engine
+    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
+        """Each sharded parameter as the DTensor over this rank's master (the fp32 one where there is one)."""
+        state = super()._model_entries(module)
+        return state if self.engine is None else self.engine.with_masters(module, state)
+
+    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+        """A sharded optimizer's state is laid out like the shards it updates."""
+        optimizer = as_set_up(optimizer)
+        if isinstance(optimizer, ZeroOptimizer):
+            return OptimizerEntries(optimizer, optimizer.updated_tensors())
+        return super()._optimizer_entries(optimizer)
+
+    def _after_load(self) -> None:
+        if self.engine is not None:
+            with torch.no_grad():
+                self.engine.module_from_masters()  # the module's rows from the masters, and the other ranks' rows
 
     def _reducer(self) -> GradientReducer | None:
         """The engine's reducer while it reduces gradients (training)."""
@@ -96,12 +112,6 @@ class EngineMode(Mode):
         super().load_module_state(module, state_dict, strict)
         if self.engine is not None:  # training or after it: the masters follow the module
             self.engine.masters_from_module()
-
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        if isinstance(optimizer, ZeroOptimizer):
-            load_full_optimizer_state(optimizer, state_dict)
-        else:
-            super()._load_full_optimizer_state(optimizer, state_dict)
 
     def teardown(self) -> None:
         self._detach()

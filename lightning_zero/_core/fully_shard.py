@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_full_optimizer_state_into_dtensors
 from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
 from lightning_zero._stage3.meta_init import MetaInit, materialize
 from lightning_zero._stage3.sharded_module import (
@@ -141,7 +140,4 @@ class FullyShardMode(Mode):
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Each rank keeps its rows of every whole tensor."""
         self._placed().load_full_state_dict(state_dict, strict=strict)
-
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        load_full_optimizer_state_into_dtensors(optimizer, state_dict)
 

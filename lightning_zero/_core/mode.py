@@ -41,10 +41,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, sharded_model_state
+from lightning_zero._checkpoint.live import (
+    OptimizerEntries,
+    load_directory,
+    load_full_optimizer_state,
+    named_optimizer_state,
+    save_directory,
+)
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
-from lightning_zero._engine.engine import ZeroEngine
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
@@ -177,12 +182,24 @@ class Mode:
     def at_rest(self) -> None:
         """Bring the module to rest (see the module's vocabulary)."""
 
-    # --- state --------------------------------------------------------------------------------------------------
+    # --- state: what the mode hands the checkpoint layer (:mod:`lightning_zero._checkpoint.live`) and takes back ---
 
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         """The module's state dict for a checkpoint: sharded parameters as DTensors over this rank's rows."""
         self.at_rest()
-        return sharded_model_state(module, self._sharding_engine())
+        return self._model_entries(module)
+
+    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
+        """The module's state dict, each sharded parameter the DTensor over this rank's rows of what the optimizer
+        updates; the values alias the live tensors, so loading into them loads into the module."""
+        return module.state_dict()
+
+    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+        """The optimizer as set up, and the tensors its state is laid out like."""
+        return OptimizerEntries.of(as_set_up(optimizer))
+
+    def _after_load(self) -> None:
+        """After a checkpoint directory filled the entries: make what depends on them current."""
 
     def optimizer_state(self, optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
         """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
@@ -201,14 +218,17 @@ class Mode:
         what its pickled files may import."""
         self.at_rest()
 
-        def set_up_for(saved: dict[str, Any]) -> list[Optimizer]:
-            return [as_set_up(o) for o in optimizers_for(saved)]
+        def entries_for(saved: dict[str, Any]) -> list[OptimizerEntries]:
+            return [self._optimizer_entries(o) for o in optimizers_for(saved)]
 
-        return load_directory(path, module, self._sharding_engine(), set_up_for, weights_only)
+        rest = load_directory(path, module, self._model_entries(module), entries_for, weights_only)
+        self._after_load()
+        return rest
 
-    def _sharding_engine(self) -> ZeroEngine | None:
-        """The stage 1/2 engine whose shards a checkpoint names in place of the module's parameters, if any."""
-        return None
+    def save_directory(self, checkpoint: dict[str, Any], module: nn.Module, path: Path) -> None:
+        """Write Lightning's ``checkpoint``, made of this mode's :meth:`module_state` and :meth:`optimizer_state`, as
+        a directory at ``path``, every rank its own shards (named after ``module``'s parameters)."""
+        save_directory(checkpoint, module, path)
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint)."""
@@ -217,13 +237,9 @@ class Mode:
     def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
         shards of it, on the device unless they are offloaded."""
-        optimizer = as_set_up(optimizer)
-        self._load_full_optimizer_state(optimizer, state_dict)
-        if self.placement.state_on_device:  # offloaded state stays where the loaders put it
-            _optimizer_to_device(optimizer, self.device)
-
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state_dict)
+        load_full_optimizer_state(self._optimizer_entries(optimizer), state_dict)
+        if self.placement.state_on_device:  # offloaded state stays where the loader put it
+            _optimizer_to_device(as_set_up(optimizer), self.device)
 
     # --- the end ----------------------------------------------------------------------------------------------------
 

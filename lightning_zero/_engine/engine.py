@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,6 +157,15 @@ class ZeroEngine:
 
     def communication_bytes(self) -> int:
         return self.pool.nbytes()
+
+    def with_masters(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """``module``'s ``state`` dict with each sharded parameter replaced by the DTensor over this rank's master
+        (the fp32 one where there is one): what a checkpoint holds and loads into."""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            sharded = self.by_param.get(id(param))
+            if sharded is not None and name in state:
+                state[name] = sharded.wrap(sharded.master)
+        return state
 
     def module_from_masters(self) -> None:
         """Make the module's full parameters current from every rank's masters (after loading into them)."""

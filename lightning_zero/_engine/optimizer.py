@@ -77,6 +77,11 @@ class ZeroOptimizer(Optimizer):
             for group, params in zip(self.optimizer.param_groups, self._module_groups, strict=True):
                 group["params"] = params
 
+    def updated_tensors(self) -> list[torch.Tensor]:
+        """What the wrapped optimizer updates, in its state-dict order: the shards (frozen parameters as they are)."""
+        with self.shards_installed():
+            return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run the closure (forward and backward, reducing gradients), update my shards, gather the parameters.
         With loss scaling, a step in which any rank's gradients overflowed is skipped on every rank."""

@@ -26,7 +26,8 @@ class ZeroMixedPrecision(_FabricMixin, MixedPrecision):
 
 
 class ZeroHalfPrecision(_FabricMixin, HalfPrecision):
-    """``Fabric(precision="16-true")`` or ``"bf16-true"``."""
+    """``Fabric(precision="16-true")`` or ``"bf16-true"``; with ``master_weights=True`` the optimizer steps on fp32
+    master shards."""
 
 
 class ZeroDoublePrecision(_FabricMixin, DoublePrecision):

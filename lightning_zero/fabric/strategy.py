@@ -27,7 +27,6 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero._checkpoint.directory import readable_directory
-from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.fabric.precision import zero_aware
@@ -165,7 +164,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
         target = Path(self.broadcast(str(path)))
         named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
-        save_directory(checkpoint, named_like, target)
+        self.mode.save_directory(checkpoint, named_like, target)
 
     @override
     def load_checkpoint(

@@ -28,7 +28,8 @@ class ZeroHalfPrecision(_TrainerMixin, HalfPrecision):
 
 
 class ZeroDoublePrecision(_TrainerMixin, DoublePrecision):
-    """``precision="64-true"``."""
+    """``precision="64-true"``: the module, its gradients and the optimizer state in float64, sharded as any other
+    dtype."""
 
 
 _ZERO_AWARE = (ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision)

@@ -29,7 +29,6 @@ from typing_extensions import override
 
 from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.directory import readable_directory
-from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._config import ModuleOption, Stage, ZeroConfig
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
@@ -300,7 +299,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self._refuse_storage_options(storage_options)
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(filepath)))
-        save_directory(checkpoint, self.lightning_module, path)
+        self.mode.save_directory(checkpoint, self.lightning_module, path)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
