@@ -33,14 +33,12 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO
 from unittest.mock import patch
 
 import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from _processes import free_port, wait_all
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import DataLoader, TensorDataset
@@ -49,6 +47,9 @@ import lightning_zero  # noqa: F401  registers the strategy name "zero2"
 from lightning_zero._checkpoint import checksums as _checksums
 from lightning_zero._checkpoint.checksums import Record, share, sum_file
 from lightning_zero._checkpoint.directory import DCP_METADATA, META_FILE, read_meta
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's `tests` package
+from tests.launch import launch as launch_ranks
 
 GIB = 2**30
 ROUNDS = 5  # of the saves and loads that time the checksums
@@ -227,33 +228,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch_workers(args: argparse.Namespace, workdir: Path) -> None:
-    """Start the workers as torchrun would. Rank 0's stdout passes through; the rest goes to logs, shown on failure."""
-    port = free_port()
+    """Start the workers as torchrun would, with the test suite's launcher (every rank stopped on the first failure,
+    each one's output shown then); pass rank 0's output on."""
     argv = [*sys.argv[1:], "--workdir", str(workdir)]
-    with ExitStack() as stack:
-        logs: list[IO[str]] = []
-        procs = []
-        for rank in range(args.world_size):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                WORLD_SIZE=str(args.world_size),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-                OMP_NUM_THREADS="1",
-            )
-            logs.append(stack.enter_context(open(workdir / f"rank{rank}.log", "w+")))
-            stdout = None if rank == 0 else logs[rank]
-            procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=logs[rank]))
-        codes = wait_all(procs)
-        for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
-            if code != 0:
-                log.seek(0)
-                print(f"--- rank {rank} exited with {code} ---\n{log.read()[-6000:]}", file=sys.stderr)
-    if any(codes):
-        raise SystemExit(1)
+    outputs = launch_ranks("benchmarks.bench_checkpoint", argv, args.world_size, timeout=24 * 3600)
+    print(outputs[0], end="", flush=True)
 
 
 @dataclass

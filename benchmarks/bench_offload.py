@@ -45,12 +45,13 @@ def _layers(num_params: float, width: int = 1024) -> nn.Module:
 
 def _zero_host_optimizer(module: nn.Module) -> Any:
     """The engine of one offloaded rank (stage 2) with its wrapped Adam, gradients set on the host shards."""
-    from lightning_zero._engine.engine import EnginePrecision, ZeroEngine
+    from lightning_zero._engine.engine import ZeroEngine
     from lightning_zero._engine.reducers import ReduceScatterReducer
+    from lightning_zero._offload.placement import OnHost
     from lightning_zero._transport.mesh import data_parallel_mesh
 
     mesh = data_parallel_mesh("cpu", 1)
-    engine = ZeroEngine(module, ReduceScatterReducer, mesh, 25 * 2**20, EnginePrecision(host=True))
+    engine = ZeroEngine(module, ReduceScatterReducer, mesh, 25 * 2**20, placement=OnHost())
     optimizer = engine.shard_optimizer(torch.optim.Adam(module.parameters(), lr=1e-4))
     for sharded in engine.sharded:
         sharded.shard.grad = sharded.wrap(torch.randn_like(sharded.master))

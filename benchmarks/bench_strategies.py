@@ -37,30 +37,29 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from _processes import free_port, wait_all
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
-from lightning_zero.memory import engine_of
+from lightning_zero.memory import engine_of, storage_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's `tests` package
+from tests.launch import launch as launch_ranks
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
@@ -92,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="after the rounds, profile one run per strategy")
     parser.add_argument("--strategies", default=",".join(STRATEGIES) + ",fsdp2", help="comma-separated subset")
     _charts.add_chart_argument(parser, "strategies")
+    parser.add_argument("--report", type=Path, help="where rank 0 writes its report (stdout if not given)")
     args = parser.parse_args(argv)
     chosen = [PEER if name == "fsdp2" else name for name in args.strategies.split(",")]
     unknown = sorted(set(chosen) - set(NAMES))
@@ -157,16 +157,6 @@ class HandShardedMLP(ResidualMLP):
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    storages = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def grad_tensors(strategy: Strategy, module: nn.Module) -> Iterator[torch.Tensor]:
@@ -311,15 +301,19 @@ def worker(args: argparse.Namespace) -> None:
         results += [measure(name, round_index, args) for name in names[shift:] + names[:shift]]
     everyone: list[list[dict[str, Any]]] = [[] for _ in range(args.world_size)]
     dist.all_gather_object(everyone, results)
+    lines = [report(everyone, args)]
     if dist.get_rank() == 0:
-        print(report(everyone, args), flush=True)
         chart(everyone, args)
     if args.profile:
         for name in args.strategies:
             profile = Profile(args.warmup, args.steps)
             fit(name, args, [profile])
-            if dist.get_rank() == 0:
-                print(f"\n### profile of {name}, rank 0, {args.steps} steps\n\n{profile.table()}", flush=True)
+            lines.append(f"\n### profile of {name}, rank 0, {args.steps} steps\n\n{profile.table()}")
+    if dist.get_rank() == 0:
+        if args.report is None:
+            print("\n".join(lines), flush=True)
+        else:
+            args.report.write_text("\n".join(lines) + "\n")
     # every rank done before gloo is torn down: a process exiting with it alive, or while a peer still talks, can abort
     dist.barrier()
     dist.destroy_process_group()
@@ -440,32 +434,13 @@ def setup_lines(psi: int, n: int, args: argparse.Namespace) -> list[str]:
 
 
 def launch(world_size: int, argv: list[str]) -> int:
-    """Start ``world_size`` workers as torchrun would. Rank 0's stdout (the report) passes through; everything else
-    goes to log files, shown if a worker fails."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        logs: list[IO[str]] = []
-        procs = []
-        for rank in range(world_size):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                WORLD_SIZE=str(world_size),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-                OMP_NUM_THREADS="1",
-            )
-            logs.append(stack.enter_context(open(Path(tmp) / f"rank{rank}.log", "w+")))
-            stdout = None if rank == 0 else logs[rank]
-            procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=logs[rank]))
-        codes = wait_all(procs)
-        for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
-            if code != 0:
-                log.seek(0)
-                print(f"--- rank {rank} exited with {code} ---\n{log.read()[-6000:]}", file=sys.stderr)
-    return 1 if any(codes) else 0
+    """Start ``world_size`` workers as torchrun would, with the test suite's launcher (every rank stopped on the first
+    failure, each one's output shown then); print rank 0's report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.md"
+        launch_ranks("benchmarks.bench_strategies", [*argv, "--report", str(report)], world_size, timeout=24 * 3600)
+        print(report.read_text(), flush=True)
+    return 0
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -27,6 +28,22 @@ class ModelStateBytes:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_state
 
 
+class BufferHolder(Protocol):
+    """What a ZeRO mode holds beyond the module's parameters and the optimizers' state (the stage 1/2 engine)."""
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage kept between steps besides ``param.grad``: buckets, gradient shards."""
+        ...
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """Master copies of this rank's shards, where they are not the module's own rows."""
+        ...
+
+    def communication_bytes(self) -> int:
+        """Bytes of reusable communication buffers kept between steps."""
+        ...
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local part)."""
     seen: dict[int, int] = {}
@@ -39,17 +56,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def measure(module: nn.Module, optimizers: Iterable[Optimizer], engine: object | None = None) -> ModelStateBytes:
-    """What this rank holds for ``module`` and ``optimizers``; ``engine`` is the stage 1/2 engine, if any."""
+def measure(
+    module: nn.Module, optimizers: Iterable[Optimizer], buffers: BufferHolder | None = None
+) -> ModelStateBytes:
+    """What this rank holds for ``module`` and ``optimizers``; ``buffers``: what the mode holds besides (its
+    ``buffers``, the stage 1/2 engine), if anything."""
     params = list(module.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     masters: list[torch.Tensor] = []
-    if engine is not None:
-        for bucket in engine.reducer.buckets:
-            kept = bucket.shard_grads if bucket.shard_grads is not None else bucket.buffer
-            if kept is not None:
-                grads.append(kept)
-        masters = [s.master for s in engine.sharded if s.has_master]
+    if buffers is not None:
+        grads += buffers.gradient_buffers()
+        masters = buffers.master_weights()
     state = [
         value
         for optimizer in optimizers
@@ -71,8 +88,8 @@ def engine_of(strategy: object) -> object | None:
     return getattr(getattr(strategy, "mode", None), "engine", None)
 
 
-def communication_bytes(engine: object | None = None) -> int:
-    """Bytes this process keeps for communication between steps: the stage 1/2 engine's reusable bucket buffers
+def communication_bytes(buffers: BufferHolder | None = None) -> int:
+    """Bytes this process keeps for communication between steps: the mode's reusable buffers (stage 1/2 buckets)
     and the shared memory mapped for the collectives of CPU ranks on one host (segments, stage 3's gather ring)."""
-    pool = engine.pool.nbytes() if engine is not None else 0  # type: ignore[attr-defined]
-    return pool + shared_memory.mapped_bytes()
+    held = buffers.communication_bytes() if buffers is not None else 0
+    return held + shared_memory.mapped_bytes()

@@ -26,9 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tests.scenarios import Runs, Scenario, StrategySpec
 
@@ -115,3 +117,39 @@ def shard_numels(module: nn.Module, world_size: int, rank: int) -> tuple[int, in
     specs = [ShardSpec(p.shape, world_size) for p in module.parameters() if p.requires_grad]
     local = sum(s.local_numel(rank) for s in specs)
     return len(specs), local, sum(s.padded_numel for s in specs), sum(s.row_numel for s in specs)
+
+
+# --- whole tensors: what runs are compared by ------------------------------------------------------------------------
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered if sharded (stage 3 keeps DTensor parameters)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state dict with shards gathered whole, to compare with DDP's."""
+    state_dict = optimizer.state_dict()
+    whole = {index: {k: full(v) for k, v in entries.items()} for index, entries in state_dict["state"].items()}
+    return {**state_dict, "state": whole}
+
+
+def snapshot(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a run ends with: the module's state dict, the first optimizer's state (whole), the step and the lr."""
+    module = trainer.lightning_module
+    return {
+        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "optimizer": full_optimizer_state(trainer.optimizers[0]),
+        "global_step": trainer.global_step,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+    }
+
+
+def full_snapshot(trainer: pl.Trainer) -> dict[str, Any]:
+    """:func:`snapshot` with stage 3's sharded parameters gathered whole, and this rank's losses."""
+    module = trainer.lightning_module
+    return {
+        **snapshot(trainer),
+        "state_dict": {k: full(v).detach().clone() for k, v in module.state_dict().items()},
+        "losses": list(module.losses),
+    }

@@ -10,6 +10,9 @@ Vocabulary:
   (``tests/workers/parity.py``), :class:`FabricScenario` a hand-written Fabric loop (``tests/workers/fabric.py``).
 - **results**: one dict per rank, each run's record under ``(scenario name, strategy label)``, such as
   ``("memory", "zero2")``.
+- **phase**: what one launch of a sequence-driven worker does (``tests/workers/checkpoints.py``,
+  ``checkpoint_faults.py``, ``hybrid.py``): a member of that worker's enum here (:class:`CheckpointPhase`,
+  :class:`FaultPhase`, :class:`HybridPhase`), sent with :func:`run_phase` like a scenario.
 
 Scenarios are pickled to the workers (:func:`run_scenarios`), so options may hold classes and module-level functions.
 """
@@ -17,12 +20,14 @@ Scenarios are pickled to the workers (:func:`run_scenarios`), so options may hol
 from __future__ import annotations
 
 import enum
+import os
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -32,6 +37,18 @@ import lightning_zero  # noqa: F401  (registers the "zero*" names the specs use)
 from tests.launch import launch
 
 PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # in a worker; read now: Lightning's teardown removes it
+#: the Trainer options of the workers' runs: nothing logged, printed or saved but what a run asks for
+QUIET: dict[str, Any] = {
+    "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+}  # fmt: skip
+MODULE_KWARGS = {"scheduler": "step", "config_style": "dict", "hidden": 29}  # the classifier the checkpoint tests train
+
+
+def cpu_trainer(strategy: Any, max_steps: int = -1, **options: Any) -> pl.Trainer:
+    """A quiet Trainer on this worker's CPU ranks; ``options`` add to :data:`QUIET` or override it."""
+    options = {**QUIET, **options}
+    return pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=max_steps, **options)
 
 
 @dataclass(frozen=True)
@@ -209,6 +226,46 @@ class Resume:
     front_end: FrontEnd
     strategy: StrategySpec
     source: Source = Source.DIRECTORY
+
+
+class CheckpointPhase(enum.Enum):
+    """The launches of ``tests/workers/checkpoints.py``, in the order the tests make them on one directory."""
+
+    TRAIN = "train"  # 2 ranks: the truth, a zero2 checkpoint, a DDP run, ModelCheckpoint rotation, epoch resumes
+    RESUME_3RANKS_ZERO1 = "resume_3ranks_zero1"  # restore only (max_steps already reached), then save at 3 ranks
+    RESUME_1RANK_ZERO2 = "resume_1rank_zero2"  # restore that on 1 rank under stage 2, save, train on
+    RESUME_EXACTLY = "resume_exactly"  # per stage: stop at an epoch end, save, resume in a fresh Trainer
+    CRASH_DURING_SAVE = "crash_during_save"  # a good save, then every rank dies half-way through the next
+    RESUME_AFTER_CRASH = "resume_after_crash"  # resume from the good one, save over the leftovers
+
+
+class FaultPhase(enum.Enum):
+    """The launches of ``tests/workers/checkpoint_faults.py``."""
+
+    SAVE = "save"  # a checkpoint of 2 ranks and its weights, for the tests to alter copies of
+    RESUME_EACH = "resume_each"  # try to resume from each of the paths given; note what every rank raised
+    KILL_DURING_PUBLISH = "kill_during_publish"  # per case: a checkpoint, a later one saved over it, dying at a step
+    KILL_DURING_WRITE = "kill_during_write"  # every rank dies right after writing its shards over a checkpoint
+    RESUME_AND_SAVE = "resume_and_save"  # for each of the paths given: resume from it, train on, save over it
+    FILE_SIZE_LIMIT = "file_size_limit"  # rank 1 may write no file past a size limit: its shard file fails
+    SAVE_REPEATEDLY = "save_repeatedly"  # a job (payload "job") with a process group of its own saves to one path
+
+
+class HybridPhase(enum.Enum):
+    """The launches of ``tests/workers/hybrid.py``."""
+
+    TRAIN = "train"  # 2 nodes of 2: "ddp" and every stage with hybrid sharding, each saving a checkpoint
+    RESUME = "resume"  # 2 ranks on one node: each hybrid checkpoint under another stage, fully sharded
+
+
+def run_phase(
+    worker: str, phase: enum.Enum, out_dir: Path, world_size: int, *, paths: Sequence[Path] = (), **launch_options: Any
+) -> list[str]:
+    """Run ``phase`` in ``world_size`` processes of ``worker``, which reads it (and ``paths``, the checkpoints it
+    works on) with :func:`read_payload`; ``launch_options`` go to :func:`tests.launch.launch`. Returns each rank's
+    output."""
+    write_payload(out_dir, phase=phase, paths=[Path(p) for p in paths])
+    return launch(worker, [str(out_dir)], world_size, **launch_options)
 
 
 def run_scenarios(

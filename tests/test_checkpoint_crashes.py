@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from lightning_zero import consolidate_checkpoint
-from tests.launch import launch
+from tests.scenarios import FaultPhase, run_phase
 from tests.workers.checkpoint_faults import LATER_STEPS, NEW_STEPS, OLD_STEPS, PUBLISH_STEPS, case_target
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 WORKER = "tests.workers.checkpoint_faults"
 CASES = [(swap, step) for swap, steps in PUBLISH_STEPS.items() for step in steps]
@@ -31,7 +33,7 @@ STEPS = {"old": OLD_STEPS, "new": NEW_STEPS}
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Per case, a checkpoint, then a process that died saving a later one over it."""
     out = tmp_path_factory.mktemp("killed")
-    launch(WORKER, ["kill_during_publish", str(out)], world_size=1)
+    run_phase(WORKER, FaultPhase.KILL_DURING_PUBLISH, out, world_size=1)
     signals = json.loads((out / "signals.json").read_text())
     assert signals == {f"{swap}/{step}": signal.SIGKILL for swap, step in CASES}  # each died there, of nothing else
     refused = [(swap, step) for swap, step in CASES if (case_target(out, swap, step).parents[1] / "refused").exists()]
@@ -51,8 +53,8 @@ def resumed(killed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         after_kill[swap, step] = torch.load(output)
         output.unlink()
     report = tmp_path_factory.mktemp("resumed")
-    targets = [str(case_target(killed, swap, step)) for swap, step in CASES]
-    launch(WORKER, ["resume_and_save", str(report), json.dumps(targets)], world_size=1)
+    targets = [case_target(killed, swap, step) for swap, step in CASES]
+    run_phase(WORKER, FaultPhase.RESUME_AND_SAVE, report, world_size=1, paths=targets)
     return {"after_kill": after_kill, "warned": warned, "steps": json.loads((report / "resumed.json").read_text())}
 
 
@@ -91,7 +93,7 @@ def test_a_save_killed_while_writing_keeps_the_old_checkpoint_and_the_next_save_
     """Two ranks die right after writing their shard files over an existing checkpoint: the old one stays, the
     half-written staging directory too, and the next save to the path removes it."""
     with pytest.raises(RuntimeError, match=r"processes failed \[\(0, -9\), \(1, -9\)\]"):  # -9: SIGKILL
-        launch(WORKER, ["kill_during_write", str(tmp_path)], world_size=2)
+        run_phase(WORKER, FaultPhase.KILL_DURING_WRITE, tmp_path, world_size=2)
     target = tmp_path / "checkpoints" / "checkpoint"
     leftovers = [p.name for p in target.parent.iterdir() if p.name != "checkpoint"]
     assert len(leftovers) == 1 and leftovers[0].startswith(".checkpoint.partial"), leftovers
@@ -100,6 +102,6 @@ def test_a_save_killed_while_writing_keeps_the_old_checkpoint_and_the_next_save_
     assert old["global_step"] == OLD_STEPS
     for key, value in torch.load(tmp_path / "old.pt").items():
         assert torch.equal(old["state_dict"][key], value), key
-    launch(WORKER, ["resume_and_save", str(tmp_path), json.dumps([str(target)])], world_size=2)
+    run_phase(WORKER, FaultPhase.RESUME_AND_SAVE, tmp_path, world_size=2, paths=[target])
     assert json.loads((tmp_path / "resumed.json").read_text()) == {str(target): OLD_STEPS}
     assert sorted(p.name for p in target.parent.iterdir()) == ["checkpoint"]

@@ -25,8 +25,11 @@ import torch
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint import publish
 from tests.launch import start
+from tests.scenarios import FaultPhase, write_payload
 from tests.test_checkpoint_trust import fit_and_save
 from tests.workers.checkpoint_faults import FILE_SIZE_LIMIT, LARGE_HIDDEN, SAVES, saved_tensor
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 WORKER = "tests.workers.checkpoint_faults"
 
@@ -41,7 +44,8 @@ def assert_holds_old_checkpoint(target: Path, weights: dict[str, torch.Tensor], 
 def test_a_write_past_the_file_size_limit_fails_alike_on_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs = start(WORKER, ["file_size_limit", str(tmp_path)], 2, logs=logs)
+    write_payload(tmp_path, phase=FaultPhase.FILE_SIZE_LIMIT, paths=[])
+    procs = start(WORKER, [str(tmp_path)], 2, logs=logs)
     codes = [proc.wait(timeout=300) for proc in procs]
     assert codes == [0, 0], [(logs / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
     errors = [json.loads((tmp_path / f"error-rank{rank}.json").read_text()) for rank in range(2)]
@@ -87,8 +91,10 @@ def test_a_full_then_read_only_filesystem_is_named_and_the_save_leaves_nothing(
 def test_two_live_jobs_saving_to_one_path_both_finish(tmp_path: Path) -> None:
     jobs = []
     for job in range(2):
-        (tmp_path / f"logs{job}").mkdir()
-        jobs.append(start(WORKER, ["save_repeatedly", str(tmp_path), str(job)], 2, logs=tmp_path / f"logs{job}"))
+        logs = tmp_path / f"logs{job}"  # also where the job's payload is
+        logs.mkdir()
+        write_payload(logs, phase=FaultPhase.SAVE_REPEATEDLY, paths=[tmp_path], job=job)
+        jobs.append(start(WORKER, [str(logs)], 2, logs=logs))
     codes = [[proc.wait(timeout=300) for proc in procs] for procs in jobs]
     outputs = [(tmp_path / f"logs{j}" / f"rank{r}.log").read_text()[-2000:] for j in range(2) for r in range(2)]
     assert codes == [[0, 0], [0, 0]], outputs

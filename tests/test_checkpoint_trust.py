@@ -34,8 +34,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero.__main__ import main as command_line
-from tests.launch import launch
-from tests.workers.checkpoints import MODULE_KWARGS
+from tests.scenarios import MODULE_KWARGS, FaultPhase, run_phase
 from tests.workers.modules import Classifier
 
 WORKER = "tests.workers.checkpoint_faults"
@@ -54,7 +53,7 @@ class Touch:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("saved")
-    launch(WORKER, ["save", str(out)], world_size=2)
+    run_phase(WORKER, FaultPhase.SAVE, out, world_size=2)
     return out
 
 
@@ -130,6 +129,7 @@ ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
 
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+@pytest.mark.slow
 def test_code_planted_in_lightning_zero_pt_never_runs(copy: Path, tmp_path: Path, entry_point: str) -> None:
     marker = tmp_path / "ran"
     alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(note=Touch(marker)))
@@ -140,6 +140,7 @@ def test_code_planted_in_lightning_zero_pt_never_runs(copy: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+@pytest.mark.slow
 def test_code_planted_in_dcp_metadata_never_runs(copy: Path, tmp_path: Path, entry_point: str) -> None:
     marker = tmp_path / "ran"
 
@@ -153,6 +154,7 @@ def test_code_planted_in_dcp_metadata_never_runs(copy: Path, tmp_path: Path, ent
     assert not (tmp_path / "out.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> None:
     """DCP stores a non-tensor entry as `torch.save` bytes inside a shard file and loads it with `weights_only=False`;
     here one more entry points at a payload appended to a shard file."""
@@ -174,6 +176,7 @@ def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> N
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, tmp_path: Path) -> None:
     """A hyper-parameter that is neither a tensor nor a plain container: refused by default, as `"ddp"` refuses it in
     an ordinary checkpoint file; loaded once torch's allow-list names it, or with `weights_only=False` where that
@@ -210,6 +213,7 @@ def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, 
         ddp.fit(Classifier(**MODULE_KWARGS), ckpt_path=ordinary)
 
 
+@pytest.mark.slow
 def test_ordinary_checkpoints_load_by_default(copy: Path, saved: Path, tmp_path: Path) -> None:
     """Hyper-parameters from `save_hyperparameters`, loops, callbacks and schedulers need no trust."""
     assert fit(copy).global_step == 6
@@ -427,6 +431,7 @@ DAMAGE = {  # file, what is done to it, what the error must say after the file's
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
+@pytest.mark.slow
 def test_damage_is_named_with_a_hint(copy: Path, tmp_path: Path, case: str) -> None:
     name, damage, message = DAMAGE[case]
     damage(copy / name)
@@ -437,6 +442,7 @@ def test_damage_is_named_with_a_hint(copy: Path, tmp_path: Path, case: str) -> N
     assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
 
 
+@pytest.mark.slow
 def test_fabric_load_checks_every_file_as_the_trainer_does(copy: Path) -> None:
     """``fabric.load`` reads the directory through the same checks: a flipped bit in the shard another rank wrote."""
     flip_a_bit(copy / "__1_0.distcp")
@@ -451,6 +457,7 @@ RESUMED_DAMAGE = ["a bit flipped in shard 0", "a bit flipped in shard 1", "a bit
                   "a chunk stored as another dtype"]
 
 
+@pytest.mark.slow
 def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) -> None:
     """On 2 ranks each shard file is checked by one rank only; both raise the error that rank found. So do a
     directory naming files outside itself and one declaring sizes its files do not hold: `fit(ckpt_path=...)` loads
@@ -462,7 +469,7 @@ def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) 
         copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / f"damaged-{index}")))
         damage(copies[-1] / name)
     copies.append(Path(shutil.copytree(saved / "checkpoint", tmp_path / "intact")))
-    launch(WORKER, ["resume_each", str(tmp_path), json.dumps([str(p) for p in copies])], world_size=2)
+    run_phase(WORKER, FaultPhase.RESUME_EACH, tmp_path, world_size=2, paths=copies)
     errors = [json.loads((tmp_path / f"errors-rank{rank}.json").read_text()) for rank in range(2)]
     assert errors[0] == errors[1]
     for case, copy_ in zip(RESUMED_DAMAGE, copies[:-1], strict=True):
@@ -471,6 +478,7 @@ def test_damage_stops_a_resume_on_every_rank_alike(saved: Path, tmp_path: Path) 
     assert errors[0][str(copies[-1])] is None
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_previous_release_loads_unverified_and_damage_is_still_named(
     copy: Path, saved: Path, tmp_path: Path
 ) -> None:
@@ -502,6 +510,7 @@ def plant_links(at: list[Path], victim: Path) -> None:
         link.symlink_to(victim, target_is_directory=True)
 
 
+@pytest.mark.slow
 def test_consolidation_never_writes_through_a_planted_link(copy: Path, tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("keep me")
@@ -534,6 +543,7 @@ def test_a_save_never_follows_links_planted_at_its_staging_names(tmp_path: Path)
     assert fit(target).global_step == 6
 
 
+@pytest.mark.slow
 def test_consolidation_killed_while_writing_leaves_nothing(copy: Path, tmp_path: Path) -> None:
     """The output is written with no name until it is whole: a SIGKILL while writing leaves no file (GBs, for a
     large model) in the output's directory."""

@@ -19,8 +19,11 @@ import torch
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint.directory import is_checkpoint_dir, read_meta
 from tests.launch import launch, start
-from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS, MODULE_KWARGS
+from tests.scenarios import MODULE_KWARGS, CheckpointPhase, run_phase
+from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS
 from tests.workers.modules import Classifier
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 WORKER = "tests.workers.checkpoints"
 
@@ -28,9 +31,9 @@ WORKER = "tests.workers.checkpoints"
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("checkpoints")
-    launch(WORKER, ["train", str(out)], world_size=2)
-    launch(WORKER, ["resume_3ranks_zero1", str(out)], world_size=3)
-    launch(WORKER, ["resume_1rank_zero2", str(out)], world_size=1)
+    run_phase(WORKER, CheckpointPhase.TRAIN, out, world_size=2)
+    run_phase(WORKER, CheckpointPhase.RESUME_3RANKS_ZERO1, out, world_size=3)
+    run_phase(WORKER, CheckpointPhase.RESUME_1RANK_ZERO2, out, world_size=1)
     return out
 
 
@@ -68,7 +71,7 @@ def test_resume_from_model_checkpoint_continues_as_ddp_does(run_dir: Path) -> No
 @pytest.fixture(scope="module")
 def exact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("exact")
-    launch(WORKER, ["resume_exactly", str(out)], world_size=2)
+    run_phase(WORKER, CheckpointPhase.RESUME_EXACTLY, out, world_size=2)
     return out
 
 
@@ -176,12 +179,12 @@ def test_checkpoint_of_another_model_is_refused(run_dir: Path) -> None:
 
 def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"processes failed \[\(0, 17\), \(1, 17\)\]"):
-        launch(WORKER, ["crash_during_save", str(tmp_path)], world_size=2)
+        run_phase(WORKER, CheckpointPhase.CRASH_DURING_SAVE, tmp_path, world_size=2)
     assert is_checkpoint_dir(tmp_path / "good")
     assert not (tmp_path / "interrupted").exists()  # nothing that looks like a checkpoint
     (staging,) = tmp_path.glob(".interrupted.partial-*")  # a staging directory of a random name
     assert staging.is_dir()
-    launch(WORKER, ["resume_after_crash", str(tmp_path)], world_size=2)
+    run_phase(WORKER, CheckpointPhase.RESUME_AFTER_CRASH, tmp_path, world_size=2)
     assert load(tmp_path / "after-crash.pt")["global_step"] == 6
     assert is_checkpoint_dir(tmp_path / "interrupted")
     assert not list(tmp_path.glob(".interrupted.partial*"))

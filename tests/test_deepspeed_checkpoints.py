@@ -193,6 +193,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("label", "strategy", "case"), RESUMES)
 def test_resumes_exactly_and_trains_on_as_ddp(resumed: Path, label: str, strategy: str, case: str) -> None:
     restored: dict[str, Any] = torch.load(resumed / f"{label}-restored.pt")
@@ -215,6 +216,7 @@ def test_resumes_exactly_and_trains_on_as_ddp(resumed: Path, label: str, strateg
         close(final["params"][name], value, f"{label} {name} after 3 more steps")
 
 
+@pytest.mark.slow
 def test_validate_loads_the_weights(resumed: Path) -> None:
     validated = torch.load(resumed / "validated.pt")
     for name, value in truth(VALIDATED)["params"].items():

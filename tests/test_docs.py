@@ -22,6 +22,8 @@ import pytest
 import lightning_zero
 from lightning_zero import fabric
 
+pytestmark = pytest.mark.slow  # its tests run the docs' code blocks in fresh interpreters
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 GPU_ONLY = "<!-- gpu-only -->"
@@ -113,6 +115,7 @@ def test_blocks_on_one_process_run(tmp_path: Path) -> None:
 
 RUNNER = """
 import os, runpy, sys, traceback
+
 for index, script in enumerate(sys.argv[1:]):
     os.chdir(os.path.dirname(script))
     try:

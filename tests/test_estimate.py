@@ -185,6 +185,7 @@ RUNS = [(s.name, strategy) for s in MEASURED for strategy in s.strategies]
 
 
 @pytest.mark.parametrize(("scenario", "strategy"), RUNS, ids=[f"{n}-{s}" for n, s in RUNS])
+@pytest.mark.slow
 def test_estimate_matches_measured_bytes(
     measured: list[dict[Any, Any]], scenario: str, strategy: StrategySpec
 ) -> None:
@@ -219,6 +220,7 @@ REPORTED = [(name, strategy) for name, strategy in RUNS if strategy.name.startsw
 
 
 @pytest.mark.parametrize(("scenario", "strategy"), REPORTED, ids=[f"{n}-{s}" for n, s in REPORTED])
+@pytest.mark.slow
 def test_memory_report_logged_after_the_first_step(
     measured: list[dict[Any, Any]], scenario: str, strategy: StrategySpec
 ) -> None:
@@ -246,6 +248,7 @@ def test_memory_report_logged_after_the_first_step(
     assert abs(held - total - communication) <= held_rounding + total_rounding + communication_rounding, report
 
 
+@pytest.mark.slow
 def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> None:
     """Silent on every rank, and the training is the one the report does not disturb: the weights are zero2's."""
     assert [per_rank[("fp32", SILENT.label)]["memory_reports"] for per_rank in measured] == [[], []]
@@ -254,6 +257,7 @@ def test_memory_report_false_logs_nothing(measured: list[dict[Any, Any]]) -> Non
         torch.testing.assert_close(silent[key], value, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_report_of_a_measured_run(measured: list[dict[Any, Any]]) -> None:
     got = measured[0][("fp32", "zero2")]["model_state"]
     report = format_report(got, estimate(136_197, num_ranks=2)["zero2"], title="zero2, rank 0:")

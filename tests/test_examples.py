@@ -19,6 +19,8 @@ from example_modules import fabric_gpt
 from example_modules.gpt import GPTLanguageModel
 from lightning_zero._checkpoint.directory import is_checkpoint_dir
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "example_modules" / "configs"
 LOSS_REPORT = re.compile(r"^train_loss start=(\S+) end=(\S+) steps=(\d+)$", re.MULTILINE)

@@ -34,6 +34,8 @@ from tests.scenarios import (
 )
 from tests.workers.modules_zero3 import TiedLM
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ZERO1, ZERO2, ZERO3 = (StrategySpec(f"zero{stage}") for stage in (1, 2, 3))
 EVERY_STAGE = ("ddp", ZERO1, ZERO2, ZERO3)
 SGD = {"optimizer": "sgd"}  # the precision scenarios': as in tests/test_precision.py, for the bf16 tolerance

@@ -24,6 +24,8 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from tests.launch import start
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 TIMEOUT = 5
 REPORTED_WITHIN = TIMEOUT + 3
 STEP_SLACK = 1.0  # seconds rank 0 may have waited in a collective before the stop: a step of the test model is faster

@@ -13,8 +13,8 @@ import torch
 
 from lightning_zero.__main__ import main
 from lightning_zero.estimate import estimate, format_bytes
-from tests.launch import launch
 from tests.oracle import close, compare_optimizer_states
+from tests.scenarios import HybridPhase, run_phase
 
 WORKER = "tests.workers.hybrid"
 
@@ -22,14 +22,15 @@ WORKER = "tests.workers.hybrid"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hybrid")
-    launch(WORKER, ["train", str(out)], world_size=4, nodes=2, timeout=300)
-    launch(WORKER, ["resume", str(out)], world_size=2, timeout=300)
+    run_phase(WORKER, HybridPhase.TRAIN, out, world_size=4, nodes=2, timeout=300)
+    run_phase(WORKER, HybridPhase.RESUME, out, world_size=2, timeout=300)
     trained = [torch.load(out / f"train-rank{rank}.pt", weights_only=False) for rank in range(4)]
     # rank 0's runs by name, and every rank's training runs, whose losses differ by rank
     return {**trained[0], **torch.load(out / "resume-rank0.pt", weights_only=False), "trained": trained}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_matches_ddp(runs: dict[str, Any], stage: int) -> None:
     """On every rank of both nodes: losses, weights and optimizer state as DDP's."""
     for rank, per_rank in enumerate(runs["trained"]):
@@ -42,12 +43,14 @@ def test_matches_ddp(runs: dict[str, Any], stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_groups_wait_as_long_as_the_strategys_timeout(runs: dict[str, Any], stage: int) -> None:
     """A stalled rank costs the strategy's `timeout` in the shard and replicate groups too, not torch's 30 minutes."""
     assert runs[f"zero{stage}"]["timeouts"] == [123.0, 123.0, 123.0]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_only_gradient_shards_cross_nodes(runs: dict[str, Any], stage: int) -> None:
     """Parameters are gathered within a node; what crosses is the all-reduce of this rank's gradient shards."""
     crossing = runs[f"zero{stage}"]["across_nodes"]
@@ -56,6 +59,7 @@ def test_only_gradient_shards_cross_nodes(runs: dict[str, Any], stage: int) -> N
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_checkpoint_restores_exactly_on_one_node_under_another_stage(runs: dict[str, Any], stage: int) -> None:
     """Saved at step 6 by the 4 ranks of two shard groups, restored by 2 ranks of one node under another stage:
     weights, buffers (rank 0's, as a single file keeps them), optimizer state and step exactly as saved."""
@@ -71,6 +75,7 @@ def test_checkpoint_restores_exactly_on_one_node_under_another_stage(runs: dict[
             assert torch.equal(torch.as_tensor(restored["optimizer"]["state"][index][key]), torch.as_tensor(value))
 
 
+@pytest.mark.slow
 def test_training_goes_on_after_the_resume(runs: dict[str, Any]) -> None:
     continued = runs["continued"]  # the stage-2 hybrid checkpoint, on 2 ranks under stage 3, to step 8
     assert continued["global_step"] == 8 and len(continued["losses"]) == 2
@@ -78,6 +83,7 @@ def test_training_goes_on_after_the_resume(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_per_rank_bytes_follow_the_group_size(runs: dict[str, Any], stage: int) -> None:
     """Measured by walking tensors: each category within padding of the estimate for shard groups of 2 of 4 ranks
     (a row per parameter more or less, a step counter and a presence flag per parameter), and above what sharding

@@ -11,6 +11,8 @@ import pytest
 
 from tests.launch import GRACE, LaunchError, launch
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 PROBE = "tests.workers.launch_probe"
 
 

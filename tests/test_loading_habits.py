@@ -23,6 +23,8 @@ from tests.scenarios import read_results, write_payload
 from tests.workers.loading_habits import other_weights
 from tests.workers.modules import Classifier
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "zero2_full", "zero3_full"]
 SHARDED = ["zero1", "zero2", "zero3"]
 LOADED = {"load_state_dict": 1, "load_raw": 2, "load_raw_lightning_file": 3, "load_after_evaluation": 4}

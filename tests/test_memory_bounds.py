@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.launch import launch
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 
 def test_engine_retains_a_few_buckets(tmp_path: Path) -> None:

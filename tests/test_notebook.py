@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "example_modules" / "notebook.ipynb"
 

@@ -82,6 +82,7 @@ PAIRS = [(s.name, strategy) for s in SCENARIOS for strategy in s.compared]
 
 
 @pytest.mark.parametrize(("name", "strategy"), PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
+@pytest.mark.slow
 def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strategy: StrategySpec) -> None:
     results = offload_runs
     spec = BY_NAME[name]
@@ -106,6 +107,7 @@ def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strate
             compare_optimizer_states(got, want, f"{what} optimizer{i}")
 
 
+@pytest.mark.slow
 def test_stage_1_2_step_on_separate_host_masters(offload_runs: list[dict[Any, Any]]) -> None:
     """Guards the oracle on a CPU machine: the offloaded runs kept master copies apart from the module's weights
     (an fp32 module, so only offloading makes them), and the module's weights are those masters, gathered."""
@@ -120,6 +122,7 @@ def test_stage_1_2_step_on_separate_host_masters(offload_runs: list[dict[Any, An
             assert torch.equal(master, run["state_dict"][name]), f"{strategy}: {name}"
 
 
+@pytest.mark.slow
 def test_one_device_offloads(tmp_path: Path) -> None:
     """On one device offload still runs (that is what it is for): same result as plain training, host masters."""
     spec = Scenario("adam", strategies=["ddp", HOST1, "zero2_offload", "zero3_offload"])
@@ -137,6 +140,7 @@ def resident(strategy: StrategySpec, tmp_path: Path, offload_dir: Path) -> list[
     return read_results(out, 2)
 
 
+@pytest.mark.slow
 def test_disk_state_is_not_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After training, a rank that keeps its optimizer state on disk holds measurably less resident memory than the
     same run with the state in host memory: the state's pages are dropped after each step. (The first step creates
@@ -198,6 +202,7 @@ def test_unusable_directories(tmp_path: Path) -> None:
         Zero2Strategy(offload_optimizer="disk", offload_dir=read_only)
 
 
+@pytest.mark.slow  # trains in this process on a small full filesystem
 def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> None:
     """A file-size limit stands in for a full disk: reserving the state's file fails, the error names the directory,
     and the optimizer keeps its state (the step's update) in memory."""

@@ -29,6 +29,8 @@ from lightning_zero._core import EngineMode, FullyShardMode
 from tests.oracle import MASTER_WEIGHTS, Tolerance, close
 from tests.workers.modules import Classifier
 
+pytestmark = pytest.mark.slow  # every test here trains Trainers in this process, seconds each
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 STAGES = [1, 2, 3]
 

@@ -14,6 +14,8 @@ from tests.oracle import compare_runs, shard_numels
 from tests.scenarios import Scenario, StrategySpec, run_scenarios
 from tests.workers.modules import Classifier
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ZERO = (StrategySpec("zero1"), StrategySpec("zero2"))
 UNUSED_OK = "ddp_find_unused_parameters_true"  # DDP needs this where parameters go without gradients
 

@@ -51,6 +51,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
 
 @pytest.mark.parametrize("flag", list(BY_PRECISION))
 @pytest.mark.parametrize("strategy", ZERO)
+@pytest.mark.slow
 def test_flag_matches_ddp(results: list[dict[Any, Any]], flag: str, strategy: str) -> None:
     tolerance = BY_PRECISION[flag]
     for per_rank in results:
@@ -62,6 +63,7 @@ def test_flag_matches_ddp(results: list[dict[Any, Any]], flag: str, strategy: st
 
 
 @pytest.mark.parametrize("strategy", [MASTERS[1], MASTERS[2], MASTER_FP32_REDUCE, MASTERS[3]], ids=str)
+@pytest.mark.slow
 def test_master_weights_track_fp32_training(results: list[dict[Any, Any]], strategy: StrategySpec) -> None:
     """bf16 forward/backward with fp32 master shards follows fp32 DDP to within bf16 rounding (the
     ``MASTER_WEIGHTS`` tolerance of tests/oracle.py)."""
@@ -74,6 +76,7 @@ def test_master_weights_track_fp32_training(results: list[dict[Any, Any]], strat
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_memory_matches_the_zero_paper(results: list[dict[Any, Any]], stage: int) -> None:
     """Per-rank model-state bytes for Adam with 16-bit parameters: stage 1 4 Psi + 12 Psi/N, stage 2
     2 Psi + 14 Psi/N, stage 3 16 Psi/N (fp32 shards are the masters), within 5% plus padding (at most one row of
@@ -91,6 +94,7 @@ def test_memory_matches_the_zero_paper(results: list[dict[Any, Any]], stage: int
             assert state.master_weights > 0 and state.parameters == 2 * psi
 
 
+@pytest.mark.slow
 def test_overflow_on_one_rank_skips_the_step_everywhere(results: list[dict[Any, Any]]) -> None:
     for strategy in (MASTERS[1].label, MASTERS[2].label):
         per_rank = [r[("fp16_overflow", strategy)] for r in results]
@@ -104,6 +108,7 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(results: list[dict[Any, 
             assert torch.equal(value, first[key]), key
 
 
+@pytest.mark.slow
 def test_loss_scale_survives_a_checkpoint(results: list[dict[Any, Any]]) -> None:
     """fp16_resume saved at step 3 (after two backoffs) and resumed: the scale came back from the checkpoint."""
     for strategy in (MASTERS[1].label, MASTERS[2].label):
@@ -111,6 +116,7 @@ def test_loss_scale_survives_a_checkpoint(results: list[dict[Any, Any]]) -> None
             assert per_rank[("fp16_resume", strategy)]["loss_scale_at_start"] == 2.0**14
 
 
+@pytest.mark.slow
 def test_checkpoint_keeps_the_fp32_masters(results: list[dict[Any, Any]]) -> None:
     label = MASTERS[2].label
     for per_rank in results:

@@ -22,6 +22,8 @@ from lightning_zero.__main__ import main as command_line
 from tests.workers.checkpoints import MODULE_KWARGS
 from tests.workers.modules import Classifier
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -20,6 +20,8 @@ from tests.launch import launch, start
 from tests.oracle import compare_runs
 from tests.scenarios import Scenario, run_scenarios
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 def run_checks(check: str, world_size: int, tmp_path: Path) -> list[list[str] | None]:
     """Each rank's passed checks; None for a rank that wrote none (one that exits on purpose)."""

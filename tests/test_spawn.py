@@ -15,6 +15,8 @@ from lightning_zero import Zero2Strategy, Zero3Strategy
 from tests.workers.modules import Classifier
 from tests.workers.modules_zero3 import TiedLM
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 def train(module: pl.LightningModule, strategy: object, devices: int) -> None:
     trainer = pl.Trainer(

@@ -106,6 +106,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return run_scenarios(SCENARIOS, request.param, tmp_path_factory.mktemp("zero3"))
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_rows(results: list[dict[Any, Any]]) -> None:
     """Every stage-3 parameter is a ``Shard(0)`` DTensor whose part on rank ``r`` is the ``r``-th ``torch.chunk`` of
     the whole (empty on trailing ranks of a short first dimension), as DCP and consolidation read it."""
@@ -123,6 +124,7 @@ def test_each_rank_holds_its_rows(results: list[dict[Any, Any]]) -> None:
 
 
 @pytest.mark.parametrize(("name", "strategy"), PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
+@pytest.mark.slow
 def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: str) -> None:
     spec = BY_NAME[name]
     reference = spec.reference.label
@@ -150,6 +152,7 @@ def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: s
                     assert got == FP32.approx(want), f"{what} {fn}"
 
 
+@pytest.mark.slow
 def test_training_moved_the_weights(results: list[dict[Any, Any]]) -> None:
     """Guards the oracle: the reassembled weights really changed, so matching DDP means something."""
     torch.manual_seed(0)
@@ -175,6 +178,7 @@ def local_numel(module: nn.Module, world_size: int, rank: int) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_bytes_at_rest_are_totals_over_n_plus_padding(results: list[dict[Any, Any]]) -> None:
     world_size = len(results)
     module = TiedLM(**MEMORY)
@@ -200,6 +204,7 @@ def unit_bytes(module: TiedLM) -> list[int]:
     return [*units, root]
 
 
+@pytest.mark.slow
 def test_peak_bytes_in_forward_and_backward(results: list[dict[Any, Any]]) -> None:
     """Walked from inside every module's forward hooks and its outputs' gradient hooks (backward): shards, gathered
     units, gradients and optimizer state together stay below what the shards hold at rest plus two whole units, each
@@ -214,6 +219,7 @@ def test_peak_bytes_in_forward_and_backward(results: list[dict[Any, Any]]) -> No
         assert zero3["step_peak_bytes"] < ddp["param_bytes"] + ddp["grad_bytes"] + ddp["state_bytes"]
 
 
+@pytest.mark.slow
 def test_configure_model_never_holds_the_whole_model(results: list[dict[Any, Any]]) -> None:
     """Layers built in configure_model are meta tensors (no bytes) until sharded; materialising them holds at most
     this rank's shards plus one module's whole parameters; and the weights equal DDP's eager ones (above)."""
@@ -230,6 +236,7 @@ def test_configure_model_never_holds_the_whole_model(results: list[dict[Any, Any
 
 
 @pytest.mark.parametrize("strategy", ["zero1_checkpointed", "zero2_checkpointed", "zero3_checkpointed"])
+@pytest.mark.slow
 def test_activation_checkpointing_recomputes_blocks(results: list[dict[Any, Any]], strategy: str) -> None:
     """Every block ran its forward again in backward, and (above) training matched DDP: each parameter still got
     its gradient once per backward, so the stage 1 and 2 reducers saw each exactly once."""
@@ -242,6 +249,7 @@ def test_activation_checkpointing_recomputes_blocks(results: list[dict[Any, Any]
 # --- failures that must be clear and early, never a hang -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_uneven_evaluation_batches_fail_before_the_first_batch(tmp_path: Path) -> None:
     uneven = scenario(
         "uneven_val",
@@ -256,12 +264,14 @@ def test_uneven_evaluation_batches_fail_before_the_first_batch(tmp_path: Path) -
         run_scenarios([uneven], 2, tmp_path)
 
 
+@pytest.mark.slow
 def test_unit_parameter_read_outside_forward_is_refused(tmp_path: Path) -> None:
     outside = scenario("penalty_on_unit", "tied_lm", ["zero3"], module_kwargs={"penalty_on_unit": True})
     with pytest.raises(RuntimeError, match=r"(?s)The loss is a DTensor.*gathered only inside that unit's.*HINT"):
         run_scenarios([outside], 2, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_trained_module_is_freed_once_dropped(tmp_path: Path) -> None:
     """Three fits in one process, each with a fresh module: after each, nothing of this package keeps the module (and
     its shards and optimizer state) alive; the user dropping it frees it."""

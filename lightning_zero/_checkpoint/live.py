@@ -1,14 +1,22 @@
-"""What goes into a checkpoint and comes back out of one, for the live module and optimizers of any stage.
+"""What goes into a checkpoint and comes back out of one, for the live module and optimizers of any mode.
 
-Saving never gathers: the model state holds each sharded parameter as the DTensor over this rank's rows, and the
-optimizer state keeps its DTensor shards; both are named by parameter, so a checkpoint taken at one world size and
-stage loads at another (see :mod:`.directory`). Ordinary single-file Lightning
-checkpoints (from ``"ddp"``, or consolidated) load too: each rank keeps its shard of every whole tensor.
+The interface: a mode hands this layer its state as *entries*, named by parameter and full-shaped, each sharded one
+as the DTensor over this rank's rows (its placement says which rows), and takes them back the same way:
+
+- the module's state as a state dict whose values alias the live tensors (loading into it loads into the module);
+- each optimizer as an :class:`OptimizerEntries`: the optimizer as the mode set it up, and what it updates in its
+  state-dict order, the tensors its state is laid out like.
+
+The layer knows no mode: saving never gathers and writes the entries named by parameter, so a checkpoint taken at one
+world size and stage loads at another (see :mod:`.directory`); loading fills the entries in place. Whole tensors (an
+ordinary single-file Lightning checkpoint from ``"ddp"``, a consolidated one, a foreign format converted to one) take
+the one road of :func:`load_full_optimizer_state`: each rank keeps its rows of every entry sharded like its parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,29 +32,21 @@ from lightning_zero._checkpoint import keys
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.ranks import Ranks
 from lightning_zero._checkpoint.unpickling import Unpickling
-from lightning_zero._engine.engine import ZeroEngine
-from lightning_zero._engine.optimizer import ZeroOptimizer
 
 
-def sharded_model_state(module: nn.Module, engine: ZeroEngine | None) -> dict[str, Any]:
-    """``module.state_dict()`` with every sharded parameter replaced by the DTensor over this rank's rows. The values
-    alias the live tensors, so loading into this dict loads into the module."""
-    state = module.state_dict()
-    if engine is None:
-        return state
-    for name, param in module.named_parameters(remove_duplicate=False):
-        sharded = engine.by_param.get(id(param))
-        if sharded is not None and name in state:
-            state[name] = sharded.wrap(sharded.master)  # the fp32 master where there is one
-    return state
+@dataclass(frozen=True)
+class OptimizerEntries:
+    """One optimizer as a mode hands it to a checkpoint: ``optimizer`` (its ``param_groups`` hold the module's
+    parameters; its ``state_dict`` and ``load_state_dict`` number them in group order) and ``tensors``, what it
+    updates in that order, each full-shaped: a DTensor over this rank's rows where it is sharded."""
 
+    optimizer: Optimizer
+    tensors: list[torch.Tensor]
 
-def _optimizer_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
-    """What the optimizer updates, in its state-dict index order: shards for a ZeRO optimizer."""
-    if isinstance(optimizer, ZeroOptimizer):
-        with optimizer.shards_installed():
-            return [p for group in optimizer.param_groups for p in group["params"]]
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    @classmethod
+    def of(cls, optimizer: Optimizer) -> OptimizerEntries:
+        """An optimizer that updates the module's parameters themselves."""
+        return cls(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _module_param_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
@@ -75,23 +75,24 @@ def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path) ->
 def load_directory(
     path: Path,
     module: nn.Module,
-    engine: ZeroEngine | None,
-    optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
+    model_state: dict[str, Any],
+    optimizers_for: Callable[[dict[str, Any]], list[OptimizerEntries]],
     weights_only: bool | None,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Load model and optimizer state from a checkpoint directory into the live objects, laid out for this run;
-    return the rest of the Lightning checkpoint. ``optimizers_for``: the optimizers to load, given that rest (a
-    Fabric checkpoint records their names). ``weights_only`` is the user's, as Lightning passes it on: what the
-    pickled files may import (see :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the
-    checkpoint's must match, as in ``load_state_dict``."""
+    """Load model and optimizer state from a checkpoint directory into the live entries, laid out for this run;
+    return the rest of the Lightning checkpoint. ``model_state``: the module's entries (aliasing its tensors);
+    ``optimizers_for``: the optimizers to load, given that rest (a Fabric checkpoint records their names).
+    ``weights_only`` is the user's, as Lightning passes it on: what the pickled files may import (see
+    :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the checkpoint's must match, as in
+    ``load_state_dict``."""
     unpickling = Unpickling.from_weights_only(weights_only)
     meta, metadata, shard_check = ckpt.open_checkpoint(path, Ranks.of_default_group(), unpickling)
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
     # tensors, which a damaged checkpoint leaves to be discarded with the error.
     with shard_check.overlapping():
         optimizers = optimizers_for(meta["checkpoint"])
-        model_target = {keys.model_key(k): v for k, v in sharded_model_state(module, engine).items()}
+        model_target = {keys.model_key(k): v for k, v in model_state.items()}
         model_target = ckpt.model_entries_to_load(model_target, metadata, path, _class_name(module), strict)
         targets = [_optimizer_target(i, opt, module, metadata, meta, path) for i, opt in enumerate(optimizers)]
         flat = dict(model_target)
@@ -99,12 +100,9 @@ def load_directory(
             flat.update(target)
         ckpt.check_compatible(flat, metadata, path)
         ckpt.load(flat, path, metadata, unpickling)
-    if engine is not None:
-        with torch.no_grad():
-            engine.module_from_masters()  # and the rows other ranks own
-    for index, (optimizer, target) in enumerate(zip(optimizers, targets, strict=True)):
+    for index, (entries, target) in enumerate(zip(optimizers, targets, strict=True)):
         groups = meta["param_groups"][index]
-        optimizer.load_state_dict(_indexed_state(index, optimizer, module, target, groups, path))
+        entries.optimizer.load_state_dict(_indexed_state(index, entries.optimizer, module, target, groups, path))
     # Lightning insists on the key; the empty list tells ``load_optimizer_state_dict`` all is loaded already.
     return {**meta["checkpoint"], "optimizer_states": []} if optimizers else meta["checkpoint"]
 
@@ -115,10 +113,10 @@ def _class_name(module: nn.Module) -> str:
 
 
 def _optimizer_target(
-    index: int, optimizer: Optimizer, module: nn.Module, metadata: Metadata, meta: dict[str, Any], path: Path
+    index: int, entries: OptimizerEntries, module: nn.Module, metadata: Metadata, meta: dict[str, Any], path: Path
 ) -> dict[str, Any]:
-    names = _module_param_names(optimizer, keys.module_names(module))
-    tensors = _optimizer_tensors(optimizer)
+    names = _module_param_names(entries.optimizer, keys.module_names(module))
+    tensors = entries.tensors
     sharded = meta["sharded"].get(index, {})
     if index not in meta["param_groups"]:
         raise CheckpointError(
@@ -163,33 +161,14 @@ def _indexed_state(
 # --- loading a single-file checkpoint --------------------------------------------------------------------------------
 
 
-def load_full_optimizer_state(optimizer: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load a ``state_dict`` of whole tensors, keeping of each parameter-shaped tensor only my shard."""
-    params = _optimizer_tensors(optimizer)
-    by_shard = {id(s.shard): s for s in optimizer.sharded}
+def load_full_optimizer_state(entries: OptimizerEntries, state_dict: dict[str, Any]) -> None:
+    """Load a ``state_dict`` of whole tensors into an optimizer of any mode: each entry recorded (or, without a
+    record, shaped) like its parameter becomes a DTensor laid out like the tensor the optimizer updates (this rank's
+    rows, on that tensor's device, no communication); the rest loads as it is."""
     recorded: dict[int, list[str]] | None = state_dict.get(keys.SHARDED_KEYS)
     state = {}
     for index, param_state in state_dict["state"].items():
-        sharded = by_shard.get(id(params[index]))
-        converted = dict(param_state)
-        if sharded is not None:
-            for key, value in param_state.items():
-                if keys.sharded_with_parameter(recorded, index, key, value, sharded.spec.shape):
-                    local = sharded.spec.take(value, sharded.rank).to(sharded.master.device).clone()
-                    converted[key] = sharded.wrap(local)
-        state[index] = converted
-    clean = {k: v for k, v in state_dict.items() if k != keys.SHARDED_KEYS}
-    optimizer.load_state_dict({**clean, "state": state})
-
-
-def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    """Stage 3: load a ``state_dict`` of whole tensors into an optimizer over ``fully_shard``'s DTensor parameters;
-    each parameter-shaped entry becomes a DTensor laid out like its parameter (this rank's rows, no communication)."""
-    params = _optimizer_tensors(optimizer)
-    recorded: dict[int, list[str]] | None = state_dict.get(keys.SHARDED_KEYS)
-    state = {}
-    for index, param_state in state_dict["state"].items():
-        param = params[index]
+        param = entries.tensors[index]
         converted = dict(param_state)
         if isinstance(param, DTensor):
             for key, value in param_state.items():
@@ -203,4 +182,4 @@ def load_full_optimizer_state_into_dtensors(optimizer: Optimizer, state_dict: di
                     converted[key].to_local().copy_(placed.to_local())
         state[index] = converted
     clean = {k: v for k, v in state_dict.items() if k != keys.SHARDED_KEYS}
-    optimizer.load_state_dict({**clean, "state": state})
+    entries.optimizer.load_state_dict({**clean, "state": state})

@@ -5,16 +5,16 @@ from lightning_zero._core.engine import EngineMode
 from lightning_zero._core.fully_shard import FullyShardMode
 from lightning_zero._core.mode import Mode
 from lightning_zero._core.plain import PlainMode
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement
 
 __all__ = ["EngineMode", "FullyShardMode", "Mode", "PlainMode", "choose_mode"]
 
 
-def choose_mode(config: ZeroConfig, num_ranks: int, ranks_per_node: int) -> Mode:
-    """The mode of a run on ``num_ranks`` ranks: on one device nothing is sharded unless it offloads (or the options
-    ask for the sharded path there, for testing)."""
-    if num_ranks == 1 and config.offload is OffloadTarget.DEVICE and not config.sharded_on_one_device:
-        return PlainMode(config, ranks_per_node)
+def choose_mode(config: ZeroConfig, placement: Placement, num_ranks: int, ranks_per_node: int) -> Mode:
+    """The mode of a run on ``num_ranks`` ranks: on one device nothing is sharded unless the ``placement`` offloads
+    (or the options ask for the sharded path there, for testing)."""
+    if num_ranks == 1 and not placement.offloads and not config.sharded_on_one_device:
+        return PlainMode(config, placement, ranks_per_node)
     if config.stage is Stage.PARAMETERS:
-        return FullyShardMode(config, ranks_per_node)
-    return EngineMode(config, ranks_per_node)
+        return FullyShardMode(config, placement, ranks_per_node)
+    return EngineMode(config, placement, ranks_per_node)

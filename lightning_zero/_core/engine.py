@@ -6,22 +6,33 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_full_optimizer_state
-from lightning_zero._core.mode import Mode, sync_from_rank_zero
-from lightning_zero._core.precision import take_over_scaler
-from lightning_zero._engine.engine import EnginePrecision, EngineState, ZeroEngine
+from lightning_zero._checkpoint.live import OptimizerEntries
+from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
+from lightning_zero._core.optimizers import as_set_up
+from lightning_zero._engine.engine import EnginePrecision, ZeroEngine
+from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.optimizer import ZeroOptimizer
-from lightning_zero._engine.reducers import ReduceMode, reducer_for
+from lightning_zero._engine.reducers import GradientReducer, ReduceMode, reducer_for
+from lightning_zero.memory import BufferHolder
 
 
 class EngineMode(Mode):
     """Full parameters in the module, gradients reduced in buckets during backward (all-reduced in stage 1,
     reduce-scattered in stage 2), the optimizers stepping on this rank's shards, shards gathered after the step."""
+
+    replaces_grad_scaler = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # built with the optimizers; after training detached, not dropped: a checkpoint saved then still writes each
+        # rank's shards only
+        self.engine: ZeroEngine | None = None
 
     def _place(self, module: nn.Module) -> None:
         self._detach()  # an earlier `fit`'s engine; a new one is built for this one
@@ -30,33 +41,67 @@ class EngineMode(Mode):
         if dist.get_world_size() > 1:
             sync_from_rank_zero(module, dist.group.WORLD)
 
-    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: Any) -> list[Optimizer]:
-        if self.engine is None:
-            replaces_grad_scaler = take_over_scaler(precision)
-            dtypes = EnginePrecision.of(self.config, module, replaces_grad_scaler=replaces_grad_scaler)
+    def _wrap_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], grad_scaler_taken: bool
+    ) -> list[Optimizer]:
+        if self.state is not LifeCycle.TRAINING:  # the first optimizers of this `fit` (Fabric sets up one at a time)
+            dtypes = EnginePrecision.of(self.config, module, replaces_grad_scaler=grad_scaler_taken)
             reducer = reducer_for(self.config.stage)
-            self.engine = ZeroEngine(module, reducer, self._mesh(), self.config.bucket_bytes, dtypes)
-            precision.zero_loss_scaler = self.engine.scaler
+            mesh, bucket_bytes = self._mesh(), self.config.bucket_bytes
+            self.engine = ZeroEngine(module, reducer, mesh, bucket_bytes, dtypes, self.placement)
+        assert self.engine is not None
         return [self.engine.shard_optimizer(optimizer) for optimizer in optimizers]
 
     @property
-    def group(self) -> ProcessGroup | None:
-        if self.engine is None or self.engine.state is not EngineState.ATTACHED:
+    def loss_scaler(self) -> LossScaler | None:
+        return None if self.engine is None else self.engine.scaler
+
+    @property
+    def buffers(self) -> BufferHolder | None:
+        return self.engine
+
+    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
+        """Each sharded parameter as the DTensor over this rank's master (the fp32 one where there is one)."""
+        state = super()._model_entries(module)
+        return state if self.engine is None else self.engine.with_masters(module, state)
+
+    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+        """A sharded optimizer's state is laid out like the shards it updates."""
+        optimizer = as_set_up(optimizer)
+        if isinstance(optimizer, ZeroOptimizer):
+            return OptimizerEntries(optimizer, optimizer.updated_tensors())
+        return super()._optimizer_entries(optimizer)
+
+    def _after_load(self) -> None:
+        if self.engine is not None:
+            with torch.no_grad():
+                self.engine.module_from_masters()  # the module's rows from the masters, and the other ranks' rows
+
+    def _reducer(self) -> GradientReducer | None:
+        """The engine's reducer while it reduces gradients (training)."""
+        if self.state is not LifeCycle.TRAINING or self.engine is None:
+            return None
+        return self.engine.reducer
+
+    @property
+    def _sync_group(self) -> ProcessGroup | None:
+        if self._reducer() is None:
             return None
         return self._mesh().world  # every data-parallel rank, not the shard group of hybrid sharding
 
     @property
-    def gradient_sync(self) -> bool:
-        return self.engine is None or self.engine.reducer.mode is ReduceMode.SYNC
+    def _gradient_sync(self) -> bool:
+        reducer = self._reducer()
+        return reducer is None or reducer.mode is ReduceMode.SYNC
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Stage 1 accumulates full gradients locally; stage 2 keeps reducing each backward into its gradient shards,
         so full gradients never accumulate (its reducer ignores the local mode)."""
-        if self.engine is None:
+        reducer = self._reducer()
+        if reducer is None:
             yield
             return
-        reducer = self.engine.reducer
         previous, reducer.mode = reducer.mode, ReduceMode.LOCAL
         try:
             yield
@@ -65,17 +110,10 @@ class EngineMode(Mode):
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         super().load_module_state(module, state_dict, strict)
-        if self.engine is not None:
+        if self.engine is not None:  # training or after it: the masters follow the module
             self.engine.masters_from_module()
 
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        if isinstance(optimizer, ZeroOptimizer):
-            load_full_optimizer_state(optimizer, state_dict)
-        else:
-            super()._load_full_optimizer_state(optimizer, state_dict)
-
     def teardown(self) -> None:
-        """Detached, not dropped: a checkpoint saved after training still writes each rank's shards only."""
         self._detach()
         super().teardown()
 

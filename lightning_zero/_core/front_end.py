@@ -3,9 +3,10 @@ the names they are registered under."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -14,13 +15,12 @@ from torch.optim import Optimizer
 
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
+from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
-Strategy = TypeVar("Strategy", bound=type)
 
 
 class ZeroFrontEnd:
@@ -30,6 +30,7 @@ class ZeroFrontEnd:
     fixed_stage: ClassVar[Stage | None] = None  # the stage a ``Zero{N}Strategy`` runs; ``ZeroStrategy`` takes ``stage``
     config: ZeroConfig
     _mode: Mode | None = None
+    _placement: Placement | None = None
     _report_due = False  # whether the next optimizer step is the first of a run, which logs the memory report
     # given by the front end's ``DDPStrategy``
     root_device: torch.device
@@ -55,11 +56,22 @@ class ZeroFrontEnd:
         return self.config.stage
 
     @property
+    def placement(self) -> Placement:
+        """Where the optimizer's side of training lives (see :mod:`lightning_zero._offload.placement`), chosen once
+        from the options."""
+        if self._placement is None:
+            config = self.config
+            offload_dir, pin_memory = config.offload_dir, config.pin_memory
+            self._placement = placement_for(config.offload, offload_dir=offload_dir, pin_memory=pin_memory)
+        return self._placement
+
+    @property
     def mode(self) -> Mode:
         """How this run trains (see :mod:`lightning_zero._core.mode`), chosen at first use, once the number of ranks
         is known."""
         if self._mode is None:
-            self._mode = choose_mode(self.config, self.num_nodes * self.num_processes, self.num_processes)
+            ranks = self.num_nodes * self.num_processes
+            self._mode = choose_mode(self.config, self.placement, ranks, self.num_processes)
         return self._mode
 
     def _refuse_storage_options(self, storage_options: Any | None) -> None:
@@ -70,9 +82,8 @@ class ZeroFrontEnd:
             )
 
     def _get_process_group_backend(self) -> str:
-        if self.config.offload is OffloadTarget.DEVICE or self.root_device.type != "cuda":
-            return super()._get_process_group_backend()  # type: ignore[misc]
-        return backend_with_host(self._process_group_backend)
+        backend = self.placement.process_group_backend(self._process_group_backend, self.root_device.type)
+        return backend if backend is not None else super()._get_process_group_backend()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
         device_type = self.root_device.type
@@ -82,8 +93,15 @@ class ZeroFrontEnd:
                 " HINT: pass `accelerator='cpu'` or `accelerator='gpu'`."
             )
         super().setup_environment()  # type: ignore[misc]
-        if self.config.offload is not OffloadTarget.DEVICE and device_type == "cuda":
-            check_host_collectives()
+        self.placement.check_process_group(device_type)
+
+    def _set_up_optimizers(self, module: nn.Module, optimizers: list[Optimizer], plugin: Any) -> list[Optimizer]:
+        """The mode's optimizers, and the front end's ZeRO-aware precision ``plugin`` told how the loss is scaled: by
+        the mode's loss scaler where it takes the place of the plugin's ``GradScaler``."""
+        taken = self.mode.replaces_grad_scaler and take_over_scaler(plugin)
+        optimizers = self.mode.setup_optimizers(module, optimizers, grad_scaler_taken=taken)
+        plugin.zero_loss_scaler = self.mode.loss_scaler
+        return optimizers
 
     def _reported_step(
         self, optimizer: Optimizer, step: Callable[[], Any], module: nn.Module, optimizers: Iterable[Optimizer]
@@ -101,8 +119,8 @@ class ZeroFrontEnd:
                     num_ranks=self.world_size,
                     num_nodes=self.num_nodes,
                     master_weights=self.config.master_weights,
-                    engine=self.mode.engine,
-                    offload=self.config.offload is not OffloadTarget.DEVICE,
+                    buffers=self.mode.buffers,
+                    offload=self.placement.offloads,
                     shard_group_size=self.mode.shard_size,
                 )
                 log_info(report)
@@ -111,8 +129,8 @@ class ZeroFrontEnd:
 
 def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default: Callable[[], Any]) -> property:
     """The front end's precision plugin property, kept in ``attribute``: whatever plugin is set becomes ZeRO-aware
-    (``zero_aware``), and with none set a ZeRO-aware ``default()`` is made once and kept, since the mode gives the
-    plugin the engine's loss scaler."""
+    (``zero_aware``), and with none set a ZeRO-aware ``default()`` is made once and kept, since the front end gives
+    the plugin the mode's loss scaler."""
 
     def get(self: Any) -> Any:
         if getattr(self, attribute) is None:
@@ -125,32 +143,13 @@ def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default:
     return property(get, set_)
 
 
-def with_fixed_stages(base: Strategy) -> tuple[Strategy, Strategy, Strategy]:
-    """``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` of a front end: its ``ZeroStrategy`` with the
-    stage fixed, defined in ``base``'s module (assign them to those names there, so that they pickle by reference)."""
-    summaries = {
-        Stage.OPTIMIZER: "Shards optimizer state; every rank keeps full parameters and full averaged gradients.",
-        Stage.GRADIENTS: "Shards optimizer state and gradients; full gradients are freed as soon as their bucket is"
-        " reduced.",
-        Stage.PARAMETERS: "Shards optimizer state, gradients and parameters; each unit's parameters are gathered only"
-        " around its use.",
-    }
-    classes = []
-    for stage, summary in summaries.items():
-        name = f"Zero{int(stage)}Strategy"
-        attributes = {"fixed_stage": stage, "__doc__": summary, "__module__": base.__module__, "__qualname__": name}
-        classes.append(type(name, (base,), attributes))
-    return tuple(classes)  # type: ignore[return-value]
-
-
 def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]) -> None:
     """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and ``"zero3_offload"`` for a front end's
     ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
     for strategy in classes:
         stage = int(strategy.fixed_stage)
-        registry.register(
-            f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {strategy.__doc__}", override=True
-        )
+        summary = " ".join(inspect.getdoc(strategy).split("\n\n")[0].split())  # the docstring's first paragraph
+        registry.register(f"zero{stage}", strategy, description=f"ZeRO stage {stage}: {summary}", override=True)
     _, zero2, zero3 = classes
     offloaded = {"offload_optimizer": True}
     for name, strategy, options, where in (

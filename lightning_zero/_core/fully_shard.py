@@ -14,18 +14,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_full_optimizer_state_into_dtensors
-from lightning_zero._core.mode import Mode, sync_from_rank_zero
-from lightning_zero._engine.optimizer import unwrap
-from lightning_zero._offload.kernels import KernelChoice
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
 from lightning_zero._stage3.meta_init import MetaInit, materialize
 from lightning_zero._stage3.sharded_module import (
     ShardedModule,
     check_even_batches,
     check_plain_loss,
     masters_in_fp32,
-    offload_policy,
     precision_policy,
 )
 from lightning_zero._wrap import choose_units
@@ -41,9 +36,8 @@ class FullyShardMode(Mode):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sharded: ShardedModule | None = None
+        self.sharded: ShardedModule | None = None  # from the first ``setup_module`` on (any state but ``NEW``)
         self.meta_init = MetaInit()
-        self._kernels: dict[int, KernelChoice] = {}  # offloaded: each optimizer's host kernels, by ``id``
         # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
         self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
@@ -72,18 +66,16 @@ class FullyShardMode(Mode):
         precision = precision_policy(self.config, module)
         if self.config.master_weights:  # the policy gathers them in bf16
             masters_in_fp32(module)
-        offload = offload_policy(self.config, self.device)
-        self.sharded = ShardedModule(module, mesh, units, self.device, precision, offload)
+        self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
         if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
             warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
-        materialize(module, resets, self.device, mesh, shards_on_host=offload is not None)
+        materialize(module, resets, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""
         for optimizer in optimizers:
             self._adopt_shards(module, optimizer)
-            if self.config.offload is not OffloadTarget.DEVICE:  # decided now, with the shards where they stay
-                self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
+            self.placement.keep_step_kernels(optimizer)  # decided now, with the shards where they stay
         return optimizers
 
     def _adopt_shards(self, module: nn.Module, optimizer: Optimizer) -> None:
@@ -109,52 +101,46 @@ class FullyShardMode(Mode):
                     )
                 group["params"][index] = shards[name]
 
-    @property
-    def group(self) -> ProcessGroup | None:
-        return None if self.sharded is None else self.sharded.group
+    def _placed(self) -> ShardedModule:
+        assert self.sharded is not None, f"the module is not set up yet ({self.state})"
+        return self.sharded
 
     @property
-    def gradient_sync(self) -> bool:
-        return self.sharded is None or self.sharded.gradient_sync
+    def _sync_group(self) -> ProcessGroup | None:
+        return None if self.state is LifeCycle.NEW else self._placed().group
+
+    @property
+    def _gradient_sync(self) -> bool:
+        return self.state is LifeCycle.NEW or self._placed().gradient_sync
 
     def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
         """Every step runs as the root unit's forward, so that the root stays gathered through it."""
-        assert self.sharded is not None
-        return self.sharded.run_as_forward(as_forward)
+        return self._placed().run_as_forward(as_forward)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """``fully_shard``'s no-sync: each unit keeps its full gradient until the synchronised backward."""
-        return nullcontext() if self.sharded is None else self.sharded.gradient_sync_disabled()
+        return nullcontext() if self.state is LifeCycle.NEW else self._placed().gradient_sync_disabled()
 
     def check_loss(self, loss: torch.Tensor) -> None:
         check_plain_loss(loss)
 
     def after_backward(self) -> None:
-        if self.sharded is not None and self.sharded.gradient_sync:
-            self.sharded.reduce_replicated_grads()
-
-    def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
-        """Offloaded, the host step uses torch's fused or multi-tensor CPU kernels."""
-        inner = unwrap(optimizer)
-        kernels = self._kernels.get(id(inner))
-        with nullcontext() if kernels is None else kernels.applied(inner):
-            return super().optimizer_step(optimizer, step)
+        if self.state is not LifeCycle.NEW and self._placed().gradient_sync:
+            self._placed().reduce_replicated_grads()
 
     def before_evaluation(self, counts: list[float], loop: str) -> None:
-        if self.sharded is not None:
-            check_even_batches(counts, loop, self.sharded.group)
+        if self.state is not LifeCycle.NEW:
+            check_even_batches(counts, loop, self._placed().group)
 
     def at_rest(self) -> None:
         """Free the root unit's gathered parameters (it stays gathered after an evaluation loop's forward)."""
-        if self.sharded is not None:
-            self.sharded.reshard()
+        if self.state is not LifeCycle.NEW:
+            self._placed().reshard()
 
     def settle_after_failure(self) -> None:
         """A step stage 3 aborted leaves units gathered, which the front end's teardown could not move: drop the
         step's unfinished gathers and reductions and reshard every unit."""
-        if self.sharded is not None:
+        if self.sharded is not None:  # even if the failure came while setting up
             self.sharded.settle()
 
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        load_full_optimizer_state_into_dtensors(optimizer, state_dict)
 

@@ -16,12 +16,21 @@ Vocabulary:
   for checkpoints; ``settle_after_failure`` after an exception (Trainer only); ``teardown``.
 - **at rest**: the module holds exactly what the optimizers update (stage 3's gathered units freed), which is what
   checkpoints name.
+- **life cycle**: :class:`LifeCycle`, moved by ``setup_module``, ``setup_optimizers`` and ``teardown`` alone; a
+  call that means nothing yet (``no_sync`` before the optimizers exist, say) does nothing.
+- **placement**: where the optimizer's side of training lives (:mod:`lightning_zero._offload.placement`), chosen
+  beside the mode; a mode asks it and never reads the offload options itself.
+
+A mode never changes the front end's objects: it returns what they need (the optimizers as they step, the
+:attr:`Mode.loss_scaler` the precision plugin multiplies the loss by, the :attr:`Mode.buffers` the memory report
+counts) and the front end puts them where they go.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,19 +39,34 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, sharded_model_state
+from lightning_zero._checkpoint.live import (
+    OptimizerEntries,
+    load_directory,
+    load_full_optimizer_state,
+    named_optimizer_state,
+    save_directory,
+)
 from lightning_zero._config import ZeroConfig
-from lightning_zero._engine.engine import ZeroEngine
-from lightning_zero._engine.optimizer import as_set_up, check_configured, unwrap
-from lightning_zero._offload.disk import DiskState
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
+from lightning_zero._engine.loss_scaler import LossScaler
+from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
+from lightning_zero._transport.torch_private import sync_module_states
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
+from lightning_zero.memory import BufferHolder
+
+
+class LifeCycle(Enum):
+    """Where a mode is between the front end's calls."""
+
+    NEW = auto()  # no module set up yet
+    PLACED = auto()  # the module is placed as the mode trains it (stage 3: sharded); no optimizers (evaluation)
+    TRAINING = auto()  # the optimizers are set up: gradients are reduced during backward, steps run
+    TORN_DOWN = auto()  # after training: checkpoints are still written and read, nothing is reduced
 
 
 class Mode:
@@ -51,14 +75,17 @@ class Mode:
     #: whether the module keeps Lightning's ``SyncBatchNorm`` layers after training (stage 3: ``fully_shard``
     #: manages their parameters, and swapping the layers back would leave the parameters on modules it no longer sees)
     keeps_sync_batchnorm: ClassVar[bool] = False
+    #: whether the mode scales the loss itself where a precision plugin's ``GradScaler`` would (fp16 gradients in
+    #: shards: the scaler would look only at this rank's shards for overflows); the front end takes the scaler away
+    replaces_grad_scaler: ClassVar[bool] = False
 
-    def __init__(self, config: ZeroConfig, ranks_per_node: int = 1) -> None:
+    def __init__(self, config: ZeroConfig, placement: Placement, ranks_per_node: int = 1) -> None:
         self.config = config
+        self.placement = placement  # where masters, gradient shards, optimizer state and the step live
         self.ranks_per_node = ranks_per_node  # for ``shard_group_size="node"``
         self.device = torch.device("cpu")  # set by ``setup_module``
-        self.engine: ZeroEngine | None = None  # stages 1 and 2, once the optimizers are set up
+        self.state = LifeCycle.NEW
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
-        self._disk: DiskState | None = None  # offload_optimizer="disk": the files holding optimizer state
 
     # --- construction and setup ---------------------------------------------------------------------------------
 
@@ -73,49 +100,59 @@ class Mode:
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.config.activation_checkpointing)
         self._place(module)
+        self.state = LifeCycle.PLACED
         self._buffers_due = True
 
     def _place(self, module: nn.Module) -> None:
         """Put the module on ``self.device`` as this mode trains it, every rank starting from rank 0's weights."""
         raise NotImplementedError
 
-    def setup_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+    def setup_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], *, grad_scaler_taken: bool = False
+    ) -> list[Optimizer]:
         """The optimizers ``configure_optimizers`` (or the user) built on ``module``'s parameters, as they step here.
-        ``precision`` is the front end's ZeRO-aware precision plugin."""
+        ``grad_scaler_taken``: the front end took its precision plugin's ``GradScaler`` away (see
+        :attr:`replaces_grad_scaler`), so the loss is scaled by :attr:`loss_scaler` instead."""
         for optimizer in optimizers:
             check_configured(optimizer)
-        if self.config.offload is OffloadTarget.DISK and self._disk is None:
-            assert self.config.offload_dir is not None
-            self._disk = DiskState(self.config.offload_dir)
-        return self._wrap_optimizers(module, optimizers, precision)
+        wrapped = self._wrap_optimizers(module, optimizers, grad_scaler_taken)
+        self.state = LifeCycle.TRAINING
+        return wrapped
 
-    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+    def _wrap_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], grad_scaler_taken: bool
+    ) -> list[Optimizer]:
         """What ``setup_optimizers`` returns, after the common checks."""
         raise NotImplementedError
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The loss scaler the precision plugin multiplies the loss by, when the mode scales it."""
+        return None
 
     # --- the step ---------------------------------------------------------------------------------------------------
 
     @property
-    def group(self) -> ProcessGroup | None:
+    def _sync_group(self) -> ProcessGroup | None:
         """The data-parallel group (every rank, across the shard groups of hybrid sharding), once the mode
         communicates; ``None`` while there is nothing to synchronise."""
         return None
 
     @property
-    def gradient_sync(self) -> bool:
+    def _gradient_sync(self) -> bool:
         """Whether the current backward pass reduces gradients across ranks (not inside ``no_sync``)."""
         return True
 
     def before_step(self, module: nn.Module) -> None:
         """Broadcast rank 0's buffers when the previous step was a synchronised training step, DDP's exact rule: so
         BatchNorm statistics evolve as they would under ``"ddp"``."""
-        group = self.group
+        group = self._sync_group
         if not self.config.broadcast_buffers or group is None:
             return
         if self._buffers_due:
             with torch.no_grad():
                 comm.broadcast_(list(module.buffers()), group)
-        self._buffers_due = torch.is_grad_enabled() and self.gradient_sync
+        self._buffers_due = torch.is_grad_enabled() and self._gradient_sync
 
     def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
         """Run one step of a LightningModule hook, given two ways to call it: ``plain``, directly, or ``as_forward``,
@@ -133,12 +170,10 @@ class Mode:
         """After each backward pass."""
 
     def optimizer_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
-        """Run ``step``, the front end's optimizer step; disk-offloaded state created or replaced by it then moves into
-        its files."""
-        output = step()
-        if self._disk is not None:
-            self._disk.adopt(unwrap(optimizer))
-        return output
+        """Run ``step``, the front end's optimizer step, as the placement steps (host kernels, state moved into its
+        files after it)."""
+        with self.placement.stepping(unwrap(optimizer)):
+            return step()
 
     def before_evaluation(self, counts: list[float], loop: str) -> None:
         """Before an evaluation loop (``"validation"``, ``"test"``, ``"predict"``) of ``counts`` batches per dataloader
@@ -147,12 +182,24 @@ class Mode:
     def at_rest(self) -> None:
         """Bring the module to rest (see the module's vocabulary)."""
 
-    # --- state --------------------------------------------------------------------------------------------------
+    # --- state: what the mode hands the checkpoint layer (:mod:`lightning_zero._checkpoint.live`) and takes back ---
 
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         """The module's state dict for a checkpoint: sharded parameters as DTensors over this rank's rows."""
         self.at_rest()
-        return sharded_model_state(module, self.engine)
+        return self._model_entries(module)
+
+    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
+        """The module's state dict, each sharded parameter the DTensor over this rank's rows of what the optimizer
+        updates; the values alias the live tensors, so loading into them loads into the module."""
+        return module.state_dict()
+
+    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+        """The optimizer as set up, and the tensors its state is laid out like."""
+        return OptimizerEntries.of(as_set_up(optimizer))
+
+    def _after_load(self) -> None:
+        """After a checkpoint directory filled the entries: make what depends on them current."""
 
     def optimizer_state(self, optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
         """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
@@ -172,10 +219,17 @@ class Mode:
         what its pickled files may import; ``strict``: as in ``load_state_dict``."""
         self.at_rest()
 
-        def set_up_for(saved: dict[str, Any]) -> list[Optimizer]:
-            return [as_set_up(o) for o in optimizers_for(saved)]
+        def entries_for(saved: dict[str, Any]) -> list[OptimizerEntries]:
+            return [self._optimizer_entries(o) for o in optimizers_for(saved)]
 
-        return load_directory(path, module, self.engine, set_up_for, weights_only, strict)
+        rest = load_directory(path, module, self._model_entries(module), entries_for, weights_only, strict)
+        self._after_load()
+        return rest
+
+    def save_directory(self, checkpoint: dict[str, Any], module: nn.Module, path: Path) -> None:
+        """Write Lightning's ``checkpoint``, made of this mode's :meth:`module_state` and :meth:`optimizer_state`, as
+        a directory at ``path``, every rank its own shards (named after ``module``'s parameters)."""
+        save_directory(checkpoint, module, path)
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over): each
@@ -186,13 +240,9 @@ class Mode:
     def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
         shards of it, on the device unless they are offloaded."""
-        optimizer = as_set_up(optimizer)
-        self._load_full_optimizer_state(optimizer, state_dict)
-        if self.config.offload is OffloadTarget.DEVICE:  # offloaded state stays where the loaders put it
-            _optimizer_to_device(optimizer, self.device)
-
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state_dict)
+        load_full_optimizer_state(self._optimizer_entries(optimizer), state_dict)
+        if self.placement.state_on_device:  # offloaded state stays where the loader put it
+            _optimizer_to_device(as_set_up(optimizer), self.device)
 
     # --- the end ----------------------------------------------------------------------------------------------------
 
@@ -201,7 +251,13 @@ class Mode:
 
     def teardown(self) -> None:
         """After training: release what only training needs; checkpoints can still be written."""
-        self._disk = None  # its files go with the last tensor mapping them
+        self.placement.teardown()
+        self.state = LifeCycle.TORN_DOWN
+
+    @property
+    def buffers(self) -> BufferHolder | None:
+        """What the mode holds beyond the module's parameters and the optimizers' state, for the memory report."""
+        return None
 
     @property
     def shard_size(self) -> int:
@@ -218,4 +274,4 @@ _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial
 
 def sync_from_rank_zero(module: nn.Module, group: ProcessGroup, skip: set[str] | None = None) -> None:
     """Every rank starts from rank 0's parameters and buffers, as under DDP (except those named in ``skip``)."""
-    _sync_module_states(module, group, _BROADCAST_BUCKET_BYTES, 0, skip or set())
+    sync_module_states(module, group, _BROADCAST_BUCKET_BYTES, 0, skip or set())

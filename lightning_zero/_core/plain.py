@@ -14,7 +14,9 @@ class PlainMode(Mode):
     def _place(self, module: nn.Module) -> None:
         module.to(self.device)
 
-    def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
+    def _wrap_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], grad_scaler_taken: bool
+    ) -> list[Optimizer]:
         if self.config.master_weights:
             raise ValueError(
                 "`master_weights=True` shards fp32 master weights across ranks; this run has one."

@@ -2,14 +2,16 @@
 stage keeps them, and the engine's loss scaling where gradients are fp16 and sharded.
 
 Each front end maps every plugin class a ``precision=`` flag gives a DDP-style strategy to a ZeRO-aware subclass
-defined at module level, so a strategy holding one pickles by reference (``start_method="spawn"`` sends it to every
-rank). The plugin Lightning built becomes an instance of that subclass in place, keeping its settings.
+written in its ``precision`` module, so a strategy holding one pickles by reference (``start_method="spawn"`` sends
+it to every rank). The plugin Lightning built becomes an instance of that subclass in place, keeping its settings:
+the front end does that to its own plugin, and gives it the mode's loss scaler (``zero_loss_scaler``) when the
+optimizers are set up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -18,14 +20,13 @@ from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.optimizer import ZeroOptimizer
 
 _SCALER_KEY = "lightning_zero_loss_scaler"
-Plugin = TypeVar("Plugin")
 
 
 class ZeroPrecisionMixin:
     """Placed before a Lightning precision class: clipping reads the gradients where the stage keeps them, and the
     loss is multiplied by the engine's scale when the engine scales it."""
 
-    zero_loss_scaler: LossScaler | None = None  # set when the engine scales the loss (fp16 gradients in shards)
+    zero_loss_scaler: LossScaler | None = None  # set by the front end when the mode scales the loss (fp16 shards)
     zero_took_scaler = False  # whether the engine took this plugin's GradScaler: every later engine scales too
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
@@ -52,33 +53,24 @@ class ZeroPrecisionMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-def zero_aware_classes(mixin: type, bases: tuple[type, ...], module: str) -> dict[type, type]:
-    """The ZeRO-aware subclass of each of ``bases`` (Lightning's ``Precision``, ``MixedPrecision``, ...), ``mixin``
-    first: ``Zero`` and the base's name, defined in ``module`` (assign each to that name there, so that a plugin
-    pickles by reference)."""
-    classes = {}
-    for base in bases:
-        name = f"Zero{base.__name__}"
-        classes[base] = type(name, (mixin, base), {"__module__": module, "__qualname__": name})
-    return classes
-
-
-def zero_aware(plugin: Plugin, classes: dict[type, type], where: str) -> Plugin:
-    """Give ``plugin`` ZeRO-aware clipping and loss scaling: it becomes an instance of its class's entry in
-    ``classes`` (the ZeRO-aware subclass defined in module ``where``), with its settings kept."""
-    if isinstance(plugin, ZeroPrecisionMixin):
-        return plugin
-    zero_class = classes.get(type(plugin))
+def zero_aware_class(plugin: object, classes: tuple[type, ...], where: str) -> type:
+    """The one of ``classes`` (the ZeRO-aware subclasses defined in module ``where``, each of one Lightning class)
+    made for ``plugin``'s class; the front end makes its plugin an instance of it."""
+    zero_class = next((cls for cls in classes if _adapted(cls) is type(plugin)), None)
     if zero_class is None:
-        known = ", ".join(f"`{cls.__name__}`" for cls in classes)
+        known = ", ".join(f"`{_adapted(cls).__name__}`" for cls in classes)
         raise TypeError(
             f"The precision plugin `{type(plugin).__name__}` is not one the ZeRO strategies can adapt; they clip and"
             f" scale sharded gradients in Lightning's {known}. HINT: pass `precision=...` with one of '32-true',"
             " '16-mixed', 'bf16-mixed', '16-true', 'bf16-true', '64-true'; for a plugin of your own, derive it from"
             f" the matching class of `{where}`, e.g. `ZeroMixedPrecision`."
         )
-    plugin.__class__ = zero_class
-    return plugin
+    return zero_class
+
+
+def _adapted(zero_class: type) -> type:
+    """The Lightning class a ZeRO-aware class adapts: its last base, after the mixin."""
+    return zero_class.__bases__[-1]
 
 
 def take_over_scaler(plugin: ZeroPrecisionMixin) -> bool:

@@ -10,15 +10,15 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core import rank_zero
 from torch import nn
 from torch.optim import Adam, AdamW, Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from lightning_zero._engine.optimizer import unwrap
+from lightning_zero._core.optimizers import unwrap
 from lightning_zero.estimate import MemoryEstimate, estimate, format_bytes
-from lightning_zero.memory import ModelStateBytes, communication_bytes, measure
+from lightning_zero.memory import BufferHolder, ModelStateBytes, communication_bytes, measure
 
 _PRECISION_OF_ITEMSIZE = {2: "bf16-true", 4: "32-true", 8: "64-true"}  # the bytes are all the estimate needs
 
@@ -61,7 +61,7 @@ def memory_report(
     num_ranks: int,
     num_nodes: int = 1,
     master_weights: bool = False,
-    engine: object | None = None,
+    buffers: BufferHolder | None = None,
     offload: bool = False,
     shard_group_size: int | None = None,
 ) -> str:
@@ -93,8 +93,8 @@ def memory_report(
     ranks = f"{num_ranks} rank{'s' if num_ranks > 1 else ''}"
     groups = "" if shard_group_size in (None, num_ranks) else f" in shard groups of {shard_group_size}"
     title = f"Model state per rank of {num_params:,} parameters under `{strategy}` on {ranks}{groups}{assumed}:"
-    held = measure(module, optimizers, engine)
-    report = format_report(held, expected, title=title, communication=communication_bytes(engine))
+    held = measure(module, optimizers, buffers)
+    report = format_report(held, expected, title=title, communication=communication_bytes(buffers))
     if offload:
         report += (
             "\n\nOffloaded to host memory: optimizer state and master weights (stages 1 and 2 keep a host copy of"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +20,7 @@ from lightning_zero._engine.optimizer import ZeroOptimizer
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.reducers import GradientReducer
 from lightning_zero._engine.sharded_param import ShardedParam
-from lightning_zero._offload.host import host_copies
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import OnDevice, Placement
 from lightning_zero._transport.mesh import DataParallelMesh
 
 
@@ -31,8 +31,6 @@ class EnginePrecision:
     master_dtype: torch.dtype | None = None  # the optimizer's copy of my shard, when the module is 16-bit
     reduce_dtype: torch.dtype | None = None  # of the gradient reduction, stage 2; ``None``: the parameters' dtype
     loss_scaling: bool = False  # dynamic loss scaling, for fp16 gradients
-    host: bool = False  # masters, their gradients, optimizer state and the step in host memory (offload)
-    pin_memory: bool = True  # page-lock those host tensors when the module is on a CUDA device
 
     @classmethod
     def of(cls, config: ZeroConfig, module: nn.Module, *, replaces_grad_scaler: bool) -> EnginePrecision:
@@ -50,8 +48,6 @@ class EnginePrecision:
             master_dtype=config.master_dtype,
             reduce_dtype=config.reduce_dtype,
             loss_scaling=fp16_master or replaces_grad_scaler,
-            host=config.offload is not OffloadTarget.DEVICE,
-            pin_memory=config.pin_memory,
         )
 
 
@@ -76,21 +72,16 @@ def assign_buckets(params: list[ShardedParam], bucket_bytes: int) -> list[list[S
     return buckets
 
 
-def _give_masters(sharded: list[ShardedParam], precision: EnginePrecision, mesh: DeviceMesh) -> None:
-    """Separate master copies where the optimizer steps in another dtype or on the host; offloaded from a device, the
-    host tensors live on a CPU mesh of the same ranks (the process group must take host tensors:
-    ``cpu:gloo,cuda:nccl``), and the reducer gives each a host buffer for its gradient."""
-    if precision.host:
-        locals_ = [s.local for s in sharded]
-        pin = precision.pin_memory and any(t.device.type == "cuda" for t in locals_)
-        masters = host_copies(locals_, precision.master_dtype, pin)
-        host_mesh = DeviceMesh.from_group(mesh.get_group(), "cpu") if mesh.device_type != "cpu" else None
-        for param, master in zip(sharded, masters, strict=True):
-            param.use_master(master, host_mesh)
-    elif precision.master_dtype is not None:
-        for param in sharded:
-            if param.local.dtype != precision.master_dtype:
-                param.use_master(param.local.to(precision.master_dtype, copy=True))
+def _give_masters(
+    sharded: list[ShardedParam], dtype: torch.dtype | None, placement: Placement, mesh: DeviceMesh
+) -> None:
+    """Separate master copies where the placement puts them (another dtype, another device); on another device the
+    reducer gives each a buffer there for its gradient."""
+    masters = placement.masters([s.local for s in sharded], dtype)
+    master_mesh = placement.master_mesh(mesh)
+    for param, master in zip(sharded, masters, strict=True):
+        if master is not param.local:
+            param.use_master(master, master_mesh)
 
 
 class EngineState(Enum):
@@ -114,14 +105,15 @@ class ZeroEngine:
         mesh: DataParallelMesh,
         bucket_bytes: int,
         precision: EnginePrecision | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.group: ProcessGroup = mesh.shard_group
         shard_size = self.group.size()
         precision = precision or EnginePrecision()
+        self.placement = placement or OnDevice()
         trainable = [p for p in module.parameters() if p.requires_grad]  # module.parameters() dedups tied weights
         self.sharded = [ShardedParam(p, ShardSpec(p.shape, shard_size), mesh.shard) for p in trainable]
-        self.host = precision.host
-        _give_masters(self.sharded, precision, mesh.shard)
+        _give_masters(self.sharded, precision.master_dtype, self.placement, mesh.shard)
         self.by_param = {id(s.param): s for s in self.sharded}
         buckets = assign_buckets(self.sharded, bucket_bytes)
         self.pool = BufferPool()
@@ -147,8 +139,33 @@ class ZeroEngine:
                         " `self.parameters()` (or a subset of them) in `configure_optimizers`."
                     )
         return ZeroOptimizer(
-            optimizer, self.by_param, self.reducer.grad_home, self.gatherer.gather, self.scaler, host=self.host
+            optimizer,
+            self.by_param,
+            self.reducer.grad_home,
+            self.gatherer.gather,
+            self.scaler,
+            choose_kernels=self.placement.shard_kernels,
         )
+
+    # --- what it holds beyond the module and the optimizers (a ``lightning_zero.memory.BufferHolder``) --------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return self.reducer.kept_buffers()
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return [s.master for s in self.sharded if s.has_master]
+
+    def communication_bytes(self) -> int:
+        return self.pool.nbytes()
+
+    def with_masters(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """``module``'s ``state`` dict with each sharded parameter replaced by the DTensor over this rank's master
+        (the fp32 one where there is one): what a checkpoint holds and loads into."""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            sharded = self.by_param.get(id(param))
+            if sharded is not None and name in state:
+                state[name] = sharded.wrap(sharded.master)
+        return state
 
     def module_from_masters(self) -> None:
         """Make the module's full parameters current from every rank's masters (after loading into them)."""

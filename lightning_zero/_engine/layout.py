@@ -3,9 +3,9 @@
 Vocabulary, used across the package:
 
 - **shard**: the rows of a parameter that one rank owns, split along dim 0 with ``torch.chunk`` semantics, exactly
-  as a DTensor with ``Shard(0)`` placement: every rank but the last few holds ``ceil(dim0 / N)`` rows, trailing
-  ranks may hold fewer or none. A 0-dim parameter cannot be split; it is **replicated**: every rank holds all of it
-  and applies the same update.
+  as a DTensor with ``Shard(0)`` placement (and so ``fully_shard``): every rank but the last few holds
+  ``ceil(dim0 / N)`` rows, trailing ranks may hold fewer or none; :class:`ShardSpec` is the one home of this rule.
+  A 0-dim parameter cannot be split; it is **replicated**: every rank holds all of it and applies the same update.
 - **bucket**: a run of parameters of one dtype and device whose gradients are reduced (and whose shards are
   gathered) by a single collective call.
 - **natural layout**: a bucket buffer holding whole parameters back to back, as they sit in the module.
@@ -41,6 +41,11 @@ class ShardSpec:
         return 1 if self.replicated else math.ceil(self.shape[0] / self.world_size)
 
     @property
+    def padded_rows(self) -> int:
+        """Dim 0 padded so that every rank holds ``rows_per_rank`` rows: what a gather of all shards carries."""
+        return self.rows_per_rank * self.world_size
+
+    @property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if not self.replicated else 1
 
@@ -67,7 +72,7 @@ class ShardSpec:
         return torch.Size((end - start, *self.shape[1:]))
 
     def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """The view of ``full`` (shaped like the parameter) that ``rank`` owns."""
+        """The view of ``full`` (shaped like the parameter, or longer along dim 0) that ``rank`` owns."""
         if self.replicated:
             return full
         start, end = self.rows(rank)

@@ -7,8 +7,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.wrappers import _FabricOptimizer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
@@ -38,21 +36,20 @@ class ZeroOptimizer(Optimizer):
         gather: Callable[[set[int]], None],
         scaler: LossScaler | None = None,
         *,
-        host: bool = False,
+        choose_kernels: Callable[[Optimizer], KernelChoice],
     ) -> None:
         # The base constructor is skipped on purpose: this object owns no parameters of its own.
         self.optimizer = optimizer
         self._grad_home = grad_home
         self._gather = gather
         self._scaler = scaler
-        self._host = host  # offloaded: the step runs on host masters
         self._module_groups = [list(group["params"]) for group in optimizer.param_groups]
         # the same groups with every sharded parameter replaced by its shard (frozen ones stay as they are)
         self._shard_groups = [[shards[id(p)].shard if id(p) in shards else p for p in ps] for ps in self._module_groups]
         self.sharded = [shards[id(p)] for ps in self._module_groups for p in ps if id(p) in shards]
         self._shard_ids = {id(s.shard) for s in self.sharded}
         with self.shards_installed():
-            self._kernels = KernelChoice.on_shards(optimizer, host=host)
+            self._kernels = choose_kernels(optimizer)  # the placement's: decided once, on the shards
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
@@ -80,6 +77,11 @@ class ZeroOptimizer(Optimizer):
             for group, params in zip(self.optimizer.param_groups, self._module_groups, strict=True):
                 group["params"] = params
 
+    def updated_tensors(self) -> list[torch.Tensor]:
+        """What the wrapped optimizer updates, in its state-dict order: the shards (frozen parameters as they are)."""
+        with self.shards_installed():
+            return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run the closure (forward and backward, reducing gradients), update my shards, gather the parameters.
         With loss scaling, a step in which any rank's gradients overflowed is skipped on every rank."""
@@ -95,8 +97,10 @@ class ZeroOptimizer(Optimizer):
                 for sharded in self.sharded:
                     sharded.release_grad_copy()
             with torch.no_grad():
-                if self._masters:  # from the host: asynchronous, ordered before the gather on the device's stream
-                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=self._host)
+                # from host masters: asynchronous, ordered before the gather on the device's stream (a copy within one
+                # device is asynchronous anyway)
+                if self._masters:
+                    torch._foreach_copy_(self._module_rows, self._masters, non_blocking=True)
                 self._gather(self._shard_ids)
         if self._scaler is not None:
             self._scaler.update()
@@ -140,28 +144,3 @@ class ZeroOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def as_set_up(optimizer: Optimizer) -> Optimizer:
-    """The optimizer as the strategy set it up (a :class:`ZeroOptimizer` in stages 1 and 2), out of the front ends'
-    wrappers: Lightning's ``LightningOptimizer`` and Fabric's ``_FabricOptimizer`` both keep it as ``_optimizer``."""
-    while isinstance(optimizer, (LightningOptimizer, _FabricOptimizer)):
-        optimizer = optimizer._optimizer
-    return optimizer
-
-
-def unwrap(optimizer: Optimizer) -> Optimizer:
-    """The ``torch.optim`` optimizer itself, out of the front ends' wrappers and this package's."""
-    optimizer = as_set_up(optimizer)
-    return optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
-
-
-def check_configured(optimizer: object) -> None:
-    """What ``configure_optimizers`` returned must be a plain ``torch.optim`` optimizer."""
-    optimizer = as_set_up(optimizer)  # type: ignore[arg-type]
-    if not isinstance(optimizer, Optimizer) or isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(
-            f"`configure_optimizers` returned {type(optimizer).__name__}, which is not a `torch.optim.Optimizer`."
-            " HINT: return an optimizer from `torch.optim` (or a subclass of `torch.optim.Optimizer`) built on"
-            " `self.parameters()`; ZeRO shards its state itself."
-        )

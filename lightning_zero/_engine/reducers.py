@@ -12,7 +12,6 @@ Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.gr
 
 from __future__ import annotations
 
-import math
 from enum import Enum, auto
 from functools import partial
 
@@ -21,7 +20,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero._config import Stage
-from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout
+from lightning_zero._engine.layout import NaturalLayout, RankMajorLayout, ShardSpec
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
@@ -130,6 +129,11 @@ class GradientReducer:
         if to_host:
             self._give_host_grads([b for b in self.buckets if any(s.grad_to_host for s in b.params)])
 
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The gradient storage the buckets keep between steps: stage 2's gradient shards, stage 1's full buffers."""
+        kept = [b.shard_grads if b.shard_grads is not None else b.buffer for b in self.buckets]
+        return [t for t in kept if t is not None]
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -227,7 +231,7 @@ class GradientReducer:
         """Offloaded: a pinned host buffer per parameter, filled when its gradient is published."""
         to_host = [s for bucket in buckets for s in bucket.params if s.grad_to_host]
         for sharded, host_grad in zip(to_host, host_copies([s.master for s in to_host], None, True), strict=True):
-            sharded.use_host_grad(host_grad)
+            sharded.use_master_grad(host_grad)
 
     def _copy_to_host(self, bucket: Bucket) -> None:
         """Stage 2 offloaded: the whole bucket's gradient shards to its host mirror in one copy, on a side stream so
@@ -249,7 +253,7 @@ class AllReduceReducer(GradientReducer):
         bucket.layout = NaturalLayout([s.param.shape for s in bucket.params])
         numel = bucket.layout.numel
         if self.replicas is not None:  # hybrid sharding reduces it in chunks, one per rank of the shard group
-            numel = math.ceil(numel / self.world_size) * self.world_size
+            numel = ShardSpec(torch.Size((numel,)), self.world_size).padded_rows
         bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
         bucket.output = bucket.buffer
         bucket.regions = [bucket.layout.region(bucket.buffer, i) for i in range(len(bucket.params))]
@@ -355,7 +359,7 @@ class ReduceScatterReducer(GradientReducer):
             for bucket, mirror in zip(mirrored, mirrors, strict=True):
                 bucket.host_mirror = mirror
                 for index, sharded in enumerate(bucket.params):
-                    sharded.use_host_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
+                    sharded.use_master_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
         super()._give_host_grads([b for b in buckets if b.host_mirror is None])
 
     def _publish(self, bucket: Bucket) -> None:

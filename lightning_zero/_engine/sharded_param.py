@@ -18,8 +18,8 @@ class ShardedParam:
     the optimizer's in-place update writes straight into the module, and only the other ranks' rows travel after the
     step. With one (the ZeRO mixed-precision mode: 16-bit module, fp32 optimizer), ``master`` is a copy of those rows
     in that dtype, and exists for this rank's rows only. Per-parameter maths in an optimizer (a trust ratio's norms,
-    say) sees the whole parameter through DTensor's reductions. Offloaded, ``master`` lives on the host
-    (see :mod:`lightning_zero._offload`), with a host buffer for the reduced gradient when the module is elsewhere.
+    say) sees the whole parameter through DTensor's reductions. The placement (:mod:`lightning_zero._offload.placement`)
+    may put ``master`` on another device than the module (the host), with a buffer there for the reduced gradient.
     """
 
     def __init__(self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh) -> None:
@@ -35,9 +35,9 @@ class ShardedParam:
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
         self.grad_storage: torch.Tensor | None = None  # set by the gradient reducer: where reduced gradients land
         self._grad_view: DTensor | None = None  # a DTensor over ``grad_storage`` when the optimizer can use it as is
-        self.host_grad: torch.Tensor | None = None  # offloaded: where the reduced gradient lands for the step
-        self._host_grad_view: DTensor | None = None
-        self._host_grad_streamed = False  # the reducer copies the whole bucket there itself
+        self.master_grad: torch.Tensor | None = None  # beside a master on another device: the step's gradient
+        self._master_grad_view: DTensor | None = None
+        self._master_grad_streamed = False  # the reducer copies the whole bucket there itself
 
     def use_master(self, master: torch.Tensor, host_mesh: DeviceMesh | None = None) -> None:
         """Let the optimizer step on ``master``, a copy of ``local`` in another dtype or on the host, instead of the
@@ -47,12 +47,12 @@ class ShardedParam:
         self.master = master
         self.shard = nn.Parameter(self.wrap(master), requires_grad=self.param.requires_grad)
 
-    def use_host_grad(self, host_grad: torch.Tensor, streamed: bool = False) -> None:
-        """Offloaded: reduced gradients land in ``host_grad`` (host, shaped and typed like the master), copied there
-        at publication or, when ``streamed``, by the reducer with the rest of their bucket."""
-        self.host_grad = host_grad
-        self._host_grad_view = self.wrap(host_grad)
-        self._host_grad_streamed = streamed
+    def use_master_grad(self, master_grad: torch.Tensor, streamed: bool = False) -> None:
+        """For a master on another device: reduced gradients land in ``master_grad`` (there, shaped and typed like
+        the master), copied at publication or, when ``streamed``, by the reducer with the rest of their bucket."""
+        self.master_grad = master_grad
+        self._master_grad_view = self.wrap(master_grad)
+        self._master_grad_streamed = streamed
 
     @property
     def has_master(self) -> bool:
@@ -78,14 +78,14 @@ class ShardedParam:
 
     def publish_grad(self, copy: bool) -> torch.Tensor:
         """Hand the reduced gradient to the optimizer, as a view of its storage or, when ``copy`` (the caller will
-        unscale it in place) or the master dtype differs, as a copy in the master dtype; offloaded to the host, into
-        its host buffer, asynchronously (the reducer waits for the copies). Returns its local tensor."""
+        unscale it in place) or the master dtype differs, as a copy in the master dtype; for a master on another device,
+        into its buffer there, asynchronously (the reducer waits for the copies). Returns its local tensor."""
         assert self.grad_storage is not None
-        if self.host_grad is not None:
-            if not self._host_grad_streamed:
-                self.host_grad.copy_(self.grad_storage, non_blocking=True)
-            self.shard.grad = self._host_grad_view
-            return self.host_grad
+        if self.master_grad is not None:
+            if not self._master_grad_streamed:
+                self.master_grad.copy_(self.grad_storage, non_blocking=True)
+            self.shard.grad = self._master_grad_view
+            return self.master_grad
         if self._grad_view is not None and not copy:
             self.shard.grad = self._grad_view
             return self.grad_storage

@@ -1,5 +1,10 @@
 """Offload: the optimizer's side of training kept in host memory, or its state on disk, when device memory is short.
 
+The decision lives in one object, the *placement* (:mod:`.placement`), chosen once per strategy from the options
+beside the mode; the engine, ``ShardedModule`` and the modes ask it, and nothing outside this package and the option
+parsing looks at the offload target. The other modules are its means: host allocations (:mod:`.host`), disk files
+(:mod:`.disk`), kernel choice (:mod:`.kernels`) and the process group (:mod:`.process_group`).
+
 Vocabulary:
 
 - **host**: CPU memory. With a CUDA module it is pinned (page-locked), so copies to and from the device run

@@ -19,7 +19,6 @@ module that created it, as in eager construction, where the tie replaces the oth
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._transport.mesh import DataParallelMesh
 
 
@@ -174,12 +174,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _my_rows(full: torch.Tensor, local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """This rank's rows of ``full`` under ``Shard(0)`` (``torch.chunk`` semantics, as ``fully_shard`` splits)."""
-    rows = math.ceil(full.shape[0] / group.size())
-    start = min(group.rank() * rows, full.shape[0])
-    mine = full[start : start + local.shape[0]]
+    """This rank's rows of ``full`` under ``Shard(0)``, as ``fully_shard`` splits (see :class:`ShardSpec`)."""
+    mine = ShardSpec(full.shape, group.size()).take(full, group.rank())
     if mine.shape != local.shape:
-        raise RuntimeError(f"A shard of shape {tuple(local.shape)} is not rows {start}.. of {tuple(full.shape)}.")
+        raise RuntimeError(f"A shard of shape {tuple(local.shape)} is not this rank's rows of {tuple(full.shape)}.")
     return mine
 
 

@@ -32,15 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_zero._config import ZeroConfig
+from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms
 from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.torch_private import has_run_forward
 
 _MIXED = "got mixed torch.Tensor and DTensor"
 _SHARD_OUTSIDE_FORWARD = (
@@ -64,9 +66,11 @@ class ShardedModule:
         units: list[nn.Module],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy | None = None,
-        offload_policy: OffloadPolicy | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._module = weakref.ref(module)
+        offload_policy = placement.fsdp_offload_policy(device) if placement is not None else None
+        self.shards_on_host = offload_policy is not None  # the placement's: shards, gradients, optimizer state
         self.group: ProcessGroup = mesh.world  # every data-parallel rank: replicated gradients average over them
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         policies = {
@@ -76,7 +80,7 @@ class ShardedModule:
         }
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         sizes = [
-            fsdp_comms.gathered_bytes(params, mesh.shard.size(), param_dtype)
+            gathered_bytes(params, mesh.shard.size(), param_dtype)
             for params in _unit_parameters([*units, module], set(self.replicated))
         ]
         # The ring rotates the units; the root is gathered once a step and stays gathered through it, so a root
@@ -177,7 +181,7 @@ class ShardedModule:
         be moved, saved or trained. The aborted step's gradients are lost."""
         module = self.module
         assert isinstance(module, FSDPModule)
-        if not _has_run(module):  # nothing gathered yet, and no per-step state to reset
+        if not has_run_forward(module):  # nothing gathered yet, and no per-step state to reset
             return
         if hasattr(module, "reset_iter_state"):  # torch 2.13
             module.reset_iter_state()
@@ -202,11 +206,6 @@ class ShardedModule:
                 state_dict[prefix + name] = _rows_of(value, param)
 
 
-def _has_run(module: FSDPModule) -> bool:
-    """Whether the root ran a forward: ``fully_shard`` sets up its per-step state (which a reset walks) only then."""
-    return module._get_fsdp_state()._is_root is not None  # torch's private state: None until the first forward
-
-
 def _rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's rows of ``whole``, laid out as ``like`` (no communication: every rank holds ``whole``), on
     ``like``'s device: offloaded shards live on the host while their mesh names the accelerator."""
@@ -214,14 +213,6 @@ def _rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
     placed = distribute_tensor(whole.detach().to(mesh.device_type), mesh, like.placements, src_data_rank=None)
     local = placed.to_local().to(like.to_local().device)
     return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
-
-
-def offload_policy(config: ZeroConfig, device: torch.device) -> OffloadPolicy | None:
-    """The shards are the optimizer's parameters: offloading either keeps them, their gradients and the optimizer
-    state on the host (``fully_shard``'s CPU offload), and the step runs there."""
-    if config.offload is OffloadTarget.DEVICE:
-        return None
-    return CPUOffloadPolicy(pin_memory=config.pin_memory and device.type == "cuda")
 
 
 def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
@@ -271,6 +262,16 @@ def check_even_batches(counts: list[float], loop: str, group: ProcessGroup) -> N
         " (`Trainer(use_distributed_sampler=True)`, which pads every rank to the same length), give every rank a"
         f" dataset of the same size, or set `limit_{limit}_batches` to an int that every rank reaches."
     )
+
+
+def gathered_bytes(params: list[nn.Parameter], world_size: int, param_dtype: torch.dtype | None) -> int:
+    """What ``fully_shard`` all-gathers for one unit: each parameter's rows padded to a multiple of the world size, in
+    the dtype it is gathered in."""
+    total = 0
+    for param in params:
+        spec = ShardSpec(param.shape, world_size)
+        total += spec.padded_rows * spec.row_numel * (param_dtype or param.dtype).itemsize
+    return total
 
 
 def _unit_parameters(units: list[nn.Module], ignored: set[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -9,22 +9,18 @@ complete before returning.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import shared_memory
-
-try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # older torch: `fully_shard` keeps its own collectives
-    AllGather = ReduceScatter = None  # type: ignore[assignment, misc]
+from lightning_zero._transport.torch_private import CUSTOM_COLLECTIVES, AllGather, ReduceScatter
 
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
@@ -39,16 +35,17 @@ def install(
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
             module.set_all_reduce_hook(AcrossReplicas(replicas))
-    if dist.get_backend(group) != "gloo" or AllGather is None or group.size() == 1:
+    if dist.get_backend(group) != "gloo" or not CUSTOM_COLLECTIVES or group.size() == 1:
         return
     channel = shared_memory.channel(group)
     if channel is not None:
         ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
-        if not channel.open_gather_ring(ring_bytes):
-            rank_zero_warn(
+        if not channel.open_gather_ring(ring_bytes) and dist.get_rank() == 0:  # said once per run
+            warnings.warn(
                 f"lightning_zero: /dev/shm has no room for stage 3's gather ring ({shared_memory.RING_SIZE} x"
                 f" {ring_bytes / 2**20:.1f} MiB); units are gathered through smaller shared buffers, with two more"
-                " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`)."
+                " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`).",
+                stacklevel=2,
             )
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
@@ -56,24 +53,12 @@ def install(
         module.set_custom_reduce_scatter(HostReduceScatter())
 
 
-def gathered_bytes(params: list[nn.Parameter], world_size: int, param_dtype: torch.dtype | None) -> int:
-    """What ``fully_shard`` all-gathers for one unit: each parameter's rows padded to a multiple of the world size, in
-    the dtype it is gathered in."""
-    total = 0
-    for param in params:
-        rows = param.shape[0] if param.dim() else 1
-        padded_rows = math.ceil(rows / world_size) * world_size
-        itemsize = (param_dtype or param.dtype).itemsize
-        total += padded_rows * (param.numel() // max(rows, 1)) * itemsize
-    return total
-
-
 def _page_multiple(size: int) -> int:
     page = 4096
     return max(page, -(-size // page) * page)
 
 
-class HostAllGather(AllGather or object):  # type: ignore[misc]
+class HostAllGather(AllGather):  # type: ignore[misc]
     """All-gather into a gather-ring buffer (``allocate``) where the channel has one free and large enough."""
 
     def __init__(self, channel: shared_memory.Channel | None) -> None:
@@ -92,7 +77,7 @@ class HostAllGather(AllGather or object):  # type: ignore[misc]
         comm.all_gather(output_tensor, input_tensor, group).wait()
 
 
-class HostReduceScatter(ReduceScatter or object):  # type: ignore[misc]
+class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
     """Reduce-scatter (a sum or an average) with this package's collectives."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,5 @@
-"""Fabric's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): ``ZeroPrecision``
-(``precision="32-true"``), ``ZeroMixedPrecision`` (``"16-mixed"``, ``"bf16-mixed"``), ``ZeroHalfPrecision``
-(``"16-true"``, ``"bf16-true"``) and ``ZeroDoublePrecision`` (``"64-true"``)."""
+"""Fabric's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): one subclass of each
+plugin class a ``precision=`` flag gives a DDP-style strategy."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from typing import Any
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor, nn
 
-from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_classes
-from lightning_zero._core.precision import zero_aware as _zero_aware
+from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_class
 
 
 class _FabricMixin(ZeroPrecisionMixin):
@@ -18,10 +16,29 @@ class _FabricMixin(ZeroPrecisionMixin):
         super().backward(self.scaled_loss(tensor), model, *args, **kwargs)  # type: ignore[misc]
 
 
-_BASES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
-_ZERO_AWARE = zero_aware_classes(_FabricMixin, _BASES, __name__)
-ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision = _ZERO_AWARE.values()
+class ZeroPrecision(_FabricMixin, Precision):
+    """``Fabric(precision="32-true")`` under the ZeRO strategies: clipping reads the gradients where the stage keeps
+    them."""
+
+
+class ZeroMixedPrecision(_FabricMixin, MixedPrecision):
+    """``Fabric(precision="16-mixed")`` or ``"bf16-mixed"``."""
+
+
+class ZeroHalfPrecision(_FabricMixin, HalfPrecision):
+    """``Fabric(precision="16-true")`` or ``"bf16-true"``; with ``master_weights=True`` the optimizer steps on fp32
+    master shards."""
+
+
+class ZeroDoublePrecision(_FabricMixin, DoublePrecision):
+    """``Fabric(precision="64-true")``."""
+
+
+_ZERO_AWARE = (ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision)
 
 
 def zero_aware(plugin: Precision) -> Precision:
-    return _zero_aware(plugin, _ZERO_AWARE, __name__)
+    """Make ``plugin`` (Lightning's, as the ``precision`` flag chose it) ZeRO-aware in place, settings kept."""
+    if not isinstance(plugin, ZeroPrecisionMixin):
+        plugin.__class__ = zero_aware_class(plugin, _ZERO_AWARE, __name__)
+    return plugin

@@ -30,11 +30,10 @@ from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.error import CheckpointError
-from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
-from lightning_zero._config import StateDictType, ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
+from lightning_zero._config import Stage, StateDictType, ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state
@@ -113,7 +112,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards)."""
         module = self.setup_module(module)
-        return module, self.mode.setup_optimizers(module, optimizers, self.precision), scheduler
+        return module, self._set_up_optimizers(module, optimizers, self.precision), scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -135,7 +134,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 "The ZeRO strategies shard an optimizer along the parameters of its module."
                 " HINT: call `fabric.setup_module(model)` (or `fabric.setup(model, optimizer)`) first."
             )
-        return self.mode.setup_optimizers(self._module, [optimizer], self.precision)[0]
+        return self._set_up_optimizers(self._module, [optimizer], self.precision)[0]
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.mode.before_step(module)
@@ -179,7 +178,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
-                save_directory(checkpoint, named_like, target)
+                self.mode.save_directory(checkpoint, named_like, target)
             case StateDictType.FULL:  # the file "ddp" writes, the entries under the user's names
                 whole = gathered_checkpoint(checkpoint, named_like, self.is_global_zero)
                 if self.is_global_zero:
@@ -311,4 +310,31 @@ class _NoSync(_BackwardSyncControl):
         return self._strategy.mode.no_sync() if enabled else nullcontext()
 
 
-Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)
+class Zero1Strategy(ZeroStrategy):
+    """Shards optimizer state; every rank keeps full parameters and full averaged gradients.
+
+    ``Fabric(strategy="zero1")``, or this class with the options of ``ZeroStrategy``: ``fabric.setup(model,
+    optimizer)`` wraps the optimizer to step on this rank's shards, and ``fabric.save`` writes them alone.
+    """
+
+    fixed_stage = Stage.OPTIMIZER
+
+
+class Zero2Strategy(ZeroStrategy):
+    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced.
+
+    ``Fabric(strategy="zero2")`` or ``"zero2_offload"``, or this class with the options of ``ZeroStrategy``;
+    ``fabric.no_backward_sync(model)`` keeps reducing into the gradient shards, so full gradients never pile up.
+    """
+
+    fixed_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
+
+    ``Fabric(strategy="zero3")`` or ``"zero3_offload"``, or this class with the options of ``ZeroStrategy``.
+    Under ``fabric.init_module()`` layers with ``reset_parameters()`` are born on the meta device.
+    """
+
+    fixed_stage = Stage.PARAMETERS

@@ -1,6 +1,5 @@
-"""The Trainer's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): ``ZeroPrecision``
-(``precision="32-true"``), ``ZeroMixedPrecision`` (``"16-mixed"``, ``"bf16-mixed"``), ``ZeroHalfPrecision``
-(``"16-true"``, ``"bf16-true"``) and ``ZeroDoublePrecision`` (``"64-true"``)."""
+"""The Trainer's precision plugins made ZeRO-aware (see :mod:`lightning_zero._core.precision`): one subclass of each
+plugin class a ``precision=`` flag gives a DDP-style strategy."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 
-from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_classes
-from lightning_zero._core.precision import zero_aware as _zero_aware
+from lightning_zero._core.precision import ZeroPrecisionMixin, zero_aware_class
 
 
 class _TrainerMixin(ZeroPrecisionMixin):
@@ -17,10 +15,28 @@ class _TrainerMixin(ZeroPrecisionMixin):
         return self.scaled_loss(super().pre_backward(tensor, module))  # type: ignore[misc]
 
 
-_BASES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
-_ZERO_AWARE = zero_aware_classes(_TrainerMixin, _BASES, __name__)
-ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision = _ZERO_AWARE.values()
+class ZeroPrecision(_TrainerMixin, Precision):
+    """``precision="32-true"`` under the ZeRO strategies."""
+
+
+class ZeroMixedPrecision(_TrainerMixin, MixedPrecision):
+    """``precision="16-mixed"`` or ``"bf16-mixed"``; on a GPU the engine's loss scaling replaces the ``GradScaler``."""
+
+
+class ZeroHalfPrecision(_TrainerMixin, HalfPrecision):
+    """``precision="16-true"`` or ``"bf16-true"`` (with ``master_weights=True``: ZeRO mixed precision)."""
+
+
+class ZeroDoublePrecision(_TrainerMixin, DoublePrecision):
+    """``precision="64-true"``: the module, its gradients and the optimizer state in float64, sharded as any other
+    dtype."""
+
+
+_ZERO_AWARE = (ZeroPrecision, ZeroMixedPrecision, ZeroHalfPrecision, ZeroDoublePrecision)
 
 
 def zero_aware(plugin: Precision) -> Precision:
-    return _zero_aware(plugin, _ZERO_AWARE, __name__)
+    """Make ``plugin`` (Lightning's, as the ``precision`` flag chose it) ZeRO-aware in place, settings kept."""
+    if not isinstance(plugin, ZeroPrecisionMixin):
+        plugin.__class__ = zero_aware_class(plugin, _ZERO_AWARE, __name__)
+    return plugin

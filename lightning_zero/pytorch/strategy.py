@@ -31,11 +31,10 @@ from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
-from lightning_zero._checkpoint.live import save_directory
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
-from lightning_zero._config import ModuleOption, StateDictType, ZeroConfig
-from lightning_zero._core.front_end import ZeroFrontEnd, register_names, with_fixed_stages, zero_aware_plugin
+from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
+from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -186,7 +185,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
-        self.optimizers = self.mode.setup_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
+        self.optimizers = self._set_up_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
 
     @override
     def optimizer_step(
@@ -319,7 +318,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
-                save_directory(checkpoint, self.lightning_module, path)
+                self.mode.save_directory(checkpoint, self.lightning_module, path)
             case StateDictType.FULL:
                 whole = gathered_checkpoint(checkpoint, self.lightning_module, self.is_global_zero)
                 if self.is_global_zero:
@@ -395,6 +394,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 stacklevel=2,
             )
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+
     @override
     def teardown(self) -> None:
         self.mode.teardown()
@@ -402,10 +406,32 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             self._layer_sync = None
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+
+class Zero1Strategy(ZeroStrategy):
+    """Shards optimizer state; every rank keeps full parameters and full averaged gradients.
+
+    ``Trainer(strategy="zero1")`` or ``Trainer(strategy=Zero1Strategy(...))``, with the options of ``ZeroStrategy``.
+    """
+
+    fixed_stage = Stage.OPTIMIZER
 
 
-Zero1Strategy, Zero2Strategy, Zero3Strategy = with_fixed_stages(ZeroStrategy)
+class Zero2Strategy(ZeroStrategy):
+    """Shards optimizer state and gradients; full gradients are freed as soon as their bucket is reduced.
+
+    ``Trainer(strategy="zero2")``, ``"zero2_offload"`` (optimizer in host memory) or
+    ``Trainer(strategy=Zero2Strategy(...))``, with the options of ``ZeroStrategy``.
+    """
+
+    fixed_stage = Stage.GRADIENTS
+
+
+class Zero3Strategy(ZeroStrategy):
+    """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
+
+    ``Trainer(strategy="zero3")``, ``"zero3_offload"`` (shards and optimizer in host memory) or
+    ``Trainer(strategy=Zero3Strategy(...))``, with the options of ``ZeroStrategy``; large models build their
+    layers in ``configure_model``, on the meta device, and get their values shard by shard.
+    """
+
+    fixed_stage = Stage.PARAMETERS

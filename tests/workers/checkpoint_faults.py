@@ -1,5 +1,5 @@
-"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint fault tests; ``argv``: phase, dir,
-then the phase's own arguments.
+"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint fault tests; ``argv``: the
+directory, whose payload names the :class:`~tests.scenarios.FaultPhase` to run and the checkpoints it works on.
 
 Deaths are real: a process saving a checkpoint kills itself with SIGKILL at a chosen step, by wrapping the helper the
 publish calls at that step (:mod:`lightning_zero._checkpoint.publish`, ``os.rename``) or DCP's file writer; the
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import lightning_zero  # noqa: F401
 from lightning_zero import CheckpointError
-from tests.workers.checkpoints import MODULE_KWARGS, trainer
+from tests.scenarios import MODULE_KWARGS, FaultPhase, cpu_trainer, read_payload
 from tests.workers.modules import Classifier
 
 OLD_STEPS, NEW_STEPS, LATER_STEPS = 4, 6, 8
@@ -64,7 +64,7 @@ def fit(
 ) -> tuple[pl.Trainer, StepAtStart]:
     pl.seed_everything(0)
     start = StepAtStart()
-    t = trainer("zero2", max_steps, callbacks=[start])
+    t = cpu_trainer("zero2", max_steps, callbacks=[start])
     t.fit(Classifier(**{**MODULE_KWARGS, "hidden": hidden}), ckpt_path=ckpt_path, **kwargs)
     return t, start
 
@@ -154,23 +154,25 @@ def save_repeatedly(out: Path, job: int) -> None:
 
 
 def main() -> None:
-    phase, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[1])
+    payload = read_payload(out)
+    phase, paths = payload["phase"], payload["paths"]
     rank = int(os.environ.get("RANK", 0))
-    if phase == "save":  # a checkpoint of 2 ranks and its weights, for the tests to alter copies of
+    if phase is FaultPhase.SAVE:
         t, _ = fit(OLD_STEPS)
         t.save_checkpoint(out / "checkpoint")
         if rank == 0:
             torch.save(weights(t), out / "weights.pt")
-    elif phase == "resume_each":  # try to resume from each checkpoint listed; note what every rank raised
+    elif phase is FaultPhase.RESUME_EACH:
         errors = {}
-        for path in json.loads(sys.argv[3]):
+        for path in paths:
             try:
-                fit(OLD_STEPS, Path(path))
-                errors[path] = None
+                fit(OLD_STEPS, path)
+                errors[str(path)] = None
             except CheckpointError as error:
-                errors[path] = str(error)
+                errors[str(path)] = str(error)
         (out / f"errors-rank{rank}.json").write_text(json.dumps(errors))
-    elif phase == "kill_during_publish":  # per case: a checkpoint, then a later one saved over it, dying at one step
+    elif phase is FaultPhase.KILL_DURING_PUBLISH:
         old, _ = fit(OLD_STEPS)
         new, _ = fit(NEW_STEPS)
         torch.save(weights(old), out / "old.pt")
@@ -191,7 +193,7 @@ def main() -> None:
                 _, status = os.waitpid(child, 0)
                 signals[f"{swap}/{step}"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         (out / "signals.json").write_text(json.dumps(signals))
-    elif phase == "kill_during_write":  # every rank dies right after writing its shards over an existing checkpoint
+    elif phase is FaultPhase.KILL_DURING_WRITE:
         target = out / "checkpoints" / "checkpoint"
         t, _ = fit(OLD_STEPS)
         t.save_checkpoint(target)
@@ -201,7 +203,7 @@ def main() -> None:
         FileSystemWriter.write_data = write_then_die(FileSystemWriter.write_data)
         t.save_checkpoint(target)
         raise AssertionError("the save survived")
-    elif phase == "file_size_limit":  # rank 1 may write no file past FILE_SIZE_LIMIT bytes: its shard file fails
+    elif phase is FaultPhase.FILE_SIZE_LIMIT:  # rank 1 may write no file past FILE_SIZE_LIMIT bytes
         target = out / "checkpoints" / "checkpoint"
         t, _ = fit(OLD_STEPS, hidden=LARGE_HIDDEN)
         t.save_checkpoint(target)
@@ -217,14 +219,14 @@ def main() -> None:
         except CheckpointError as failure:
             error = f"{type(failure).__name__}: {failure}"
         (out / f"error-rank{rank}.json").write_text(json.dumps(error))
-    elif phase == "save_repeatedly":  # argv: job; with a process group of its own, SAVES saves to one target
-        save_repeatedly(out, int(sys.argv[3]))
-    elif phase == "resume_and_save":  # for each checkpoint given: resume from it, train on, save over it
+    elif phase is FaultPhase.SAVE_REPEATEDLY:
+        save_repeatedly(paths[0], payload["job"])
+    elif phase is FaultPhase.RESUME_AND_SAVE:
         steps = {}
-        for target in json.loads(sys.argv[3]):
-            t, start = fit(LATER_STEPS, Path(target))
+        for target in paths:
+            t, start = fit(LATER_STEPS, target)
             t.save_checkpoint(target)
-            steps[target] = start.step
+            steps[str(target)] = start.step
         if rank == 0:
             (out / "resumed.json").write_text(json.dumps(steps))
     else:

@@ -1,4 +1,5 @@
-"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint tests; ``argv``: phase, dir."""
+"""Runs inside each of N processes (started by tests/launch.py) for the checkpoint tests; ``argv``: the directory, whose
+payload names the :class:`~tests.scenarios.CheckpointPhase` to run."""
 
 from __future__ import annotations
 
@@ -13,48 +14,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 import lightning_zero  # noqa: F401
+from tests.oracle import full_snapshot, snapshot
+from tests.scenarios import MODULE_KWARGS, CheckpointPhase, cpu_trainer, read_payload
 from tests.workers.modules import Classifier
-from tests.workers.parity import full, full_optimizer_state
 
-MODULE_KWARGS = {"scheduler": "step", "config_style": "dict", "hidden": 29}
-WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
 EXACT_STAGES = ("zero1", "zero2", "zero3")
 EPOCH_STEPS = 6  # 96 samples, batches of 8, on 2 ranks
 EXACT_STEPS = 10
-
-
-def trainer(strategy: str, max_steps: int = -1, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
-def snapshot(t: pl.Trainer) -> dict[str, Any]:
-    module = t.lightning_module
-    return {
-        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "optimizer": full_optimizer_state(t.optimizers[0]),
-        "global_step": t.global_step,
-        "lr": t.optimizers[0].param_groups[0]["lr"],
-    }
-
-
-def full_snapshot(t: pl.Trainer) -> dict[str, Any]:
-    """:func:`snapshot` with stage 3's sharded parameters gathered whole, and this rank's losses."""
-    module = t.lightning_module
-    return {
-        **snapshot(t),
-        "state_dict": {k: full(v).detach().clone() for k, v in module.state_dict().items()},
-        "losses": list(module.losses),
-    }
 
 
 def resume_exactly(out: Path) -> None:
@@ -78,7 +44,7 @@ def resume_exactly(out: Path) -> None:
 
 def fit(strategy: str, max_steps: int = -1, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
     pl.seed_everything(0)
-    t = trainer(strategy, max_steps, **kwargs)
+    t = cpu_trainer(strategy, max_steps, **kwargs)
     t.fit(Classifier(**MODULE_KWARGS), ckpt_path=ckpt_path)
     return t
 
@@ -89,8 +55,9 @@ def save_rank0(obj: Any, path: Path) -> None:
 
 
 def main() -> None:
-    phase, out = sys.argv[1], Path(sys.argv[2])
-    if phase == "train":  # 2 ranks: the truth, a zero2 checkpoint, a DDP run, ModelCheckpoint rotation
+    out = Path(sys.argv[1])
+    phase = read_payload(out)["phase"]
+    if phase is CheckpointPhase.TRAIN:
         t = fit("zero2", 12)
         save_rank0(snapshot(t), out / "truth.pt")
         t.save_checkpoint(out / "zero2-2ranks")
@@ -104,19 +71,19 @@ def main() -> None:
             fit(strategy, 18, callbacks=[every_epoch], enable_checkpointing=True)
             resumed = fit(strategy, 18, ckpt_path=out / strategy / "epoch=1-step=12.ckpt")
             save_rank0(snapshot(resumed), out / f"{strategy}-resumed.pt")
-    elif phase == "resume_exactly":
+    elif phase is CheckpointPhase.RESUME_EXACTLY:
         resume_exactly(out)
-    elif phase == "resume_3ranks_zero1":  # restore only (max_steps already reached), then save at 3 ranks
+    elif phase is CheckpointPhase.RESUME_3RANKS_ZERO1:
         t = fit("zero1", 12, ckpt_path=out / "zero2-2ranks")
         save_rank0(snapshot(t), out / "restored-3ranks.pt")
         t.save_checkpoint(out / "zero1-3ranks")
-    elif phase == "resume_1rank_zero2":
+    elif phase is CheckpointPhase.RESUME_1RANK_ZERO2:
         t = fit("zero2", 12, ckpt_path=out / "zero1-3ranks")
         save_rank0(snapshot(t), out / "restored-1rank.pt")
         t.save_checkpoint(out / "zero2-1rank")
         t = fit("zero1", 14, ckpt_path=out / "zero2-1rank")  # and training goes on from there
         save_rank0(snapshot(t), out / "continued-1rank.pt")
-    elif phase == "crash_during_save":  # a good save, then every rank dies half-way through writing the next
+    elif phase is CheckpointPhase.CRASH_DURING_SAVE:
         t = fit("zero2", 4)
         t.save_checkpoint(out / "good")
         original = FileSystemWriter.write_data
@@ -127,7 +94,7 @@ def main() -> None:
 
         FileSystemWriter.write_data = write_then_die
         t.save_checkpoint(out / "interrupted")
-    elif phase == "resume_after_crash":
+    elif phase is CheckpointPhase.RESUME_AFTER_CRASH:
         t = fit("zero2", 6, ckpt_path=out / "good")
         save_rank0(snapshot(t), out / "after-crash.pt")
         t.save_checkpoint(out / "interrupted")  # the same name now saves cleanly over the leftovers

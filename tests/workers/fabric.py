@@ -19,6 +19,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.nn import functional as F
 
+from tests.oracle import full, full_optimizer_state
 from tests.scenarios import (
     Clip,
     ClipBy,
@@ -34,7 +35,6 @@ from tests.scenarios import (
     save_results,
 )
 from tests.workers.modules import MODULES, Classifier
-from tests.workers.parity import full, full_optimizer_state
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
 BATCH = 8

@@ -35,6 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_zero import ZeroStrategy
+from tests.scenarios import QUIET
 from tests.workers.modules_zero3 import TiedLM
 
 REACHED = 2
@@ -106,10 +107,7 @@ def fit(run: dict[str, Any], spec: dict[str, Any], markers: Markers) -> None:
         limit_val_batches=2 if run["fault"] == "validation_step" else 0,
         num_sanity_val_steps=0,
         callbacks=[markers],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(FailingLM(run["fault"], markers.out))
 

@@ -1,6 +1,7 @@
 """Runs inside each of 4 processes simulating 2 nodes of 2 (tests/launch.py with ``nodes=2``), or 2 processes for the
-resume: ``argv`` phase, dir. Trains under "ddp" and every stage with hybrid sharding, saves hybrid checkpoints, and
-writes what rank 0 ends with for tests/test_hybrid.py."""
+resume: ``argv`` the directory, whose payload names the :class:`~tests.scenarios.HybridPhase` to run. Trains under
+"ddp" and every stage with hybrid sharding, saves hybrid checkpoints, and writes what rank 0 ends with for
+tests/test_hybrid.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from lightning_zero import ZeroStrategy
 from lightning_zero._transport.peers import group_timeout
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero.memory import engine_of, measure
-from tests.workers.checkpoints import full_snapshot
+from tests.oracle import full_snapshot
+from tests.scenarios import QUIET, HybridPhase, read_payload
 from tests.workers.modules import Classifier
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
@@ -35,17 +37,17 @@ def fit(strategy: Any, max_steps: int, nodes: int, ckpt_path: Path | None = None
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD_SIZE // nodes, num_nodes=nodes, strategy=strategy, max_steps=max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Held()],
+        callbacks=[Held()], **QUIET,
     )  # fmt: skip
     trainer.fit(Classifier(batch_norm=True), ckpt_path=ckpt_path)
     return trainer
 
 
 def main() -> None:
-    phase, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[1])
+    phase = read_payload(out)["phase"]
     results: dict[str, Any] = {}
-    if phase == "train":  # 2 nodes of 2
+    if phase is HybridPhase.TRAIN:
         # the first run creates the process group, with its strategy's timeout, which the shard groups must keep
         results["ddp"] = full_snapshot(fit(DDPStrategy(timeout=timedelta(seconds=123)), 6, nodes=2))
         for stage in (1, 2, 3):
@@ -59,14 +61,14 @@ def main() -> None:
                 "timeouts": waits,
             }
             trainer.save_checkpoint(out / f"hybrid-zero{stage}")
-    elif phase == "resume":  # 2 ranks on one node, full sharding under another stage, from each hybrid checkpoint
+    elif phase is HybridPhase.RESUME:
         for stage in (1, 2, 3):
             other = 3 if stage < 3 else 2
             restored = fit(ZeroStrategy(stage=other), 6, nodes=1, ckpt_path=out / f"hybrid-zero{stage}")
             results[f"restored-zero{stage}"] = full_snapshot(restored)  # max_steps reached: restored, not trained
         continued = fit(ZeroStrategy(stage=3), 8, nodes=1, ckpt_path=out / "hybrid-zero2")
         results["continued"] = full_snapshot(continued)
-    torch.save(results, out / f"{phase}-rank{torch.distributed.get_rank()}.pt")
+    torch.save(results, out / f"{phase.value}-rank{torch.distributed.get_rank()}.pt")
 
 
 if __name__ == "__main__":

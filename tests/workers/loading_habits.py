@@ -24,9 +24,9 @@ from torch.nn import functional as F
 
 import lightning_zero.fabric
 from lightning_zero import CheckpointError, Zero3Strategy
+from tests.oracle import full, full_optimizer_state
 from tests.scenarios import read_payload, save_results
 from tests.workers.modules import Classifier
-from tests.workers.parity import full, full_optimizer_state
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it
 BATCH = 8

@@ -13,20 +13,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_zero.memory import storage_bytes
+
 
 def token_data(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randint(0, vocab, (n, seq), generator=gen))
-
-
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local storage)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() and not local.is_meta:
-            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 class ProbedLinear(nn.Linear):

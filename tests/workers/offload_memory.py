@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_zero.memory import storage_bytes
-from tests.scenarios import read_payload, save_results
+from tests.oracle import full
+from tests.scenarios import QUIET, read_payload, save_results
 from tests.workers.modules import Classifier
-from tests.workers.parity import full
 
 
 def resident_bytes() -> int:
@@ -63,10 +63,7 @@ def main() -> None:
         strategy=spec["strategy"].for_trainer(),
         max_steps=2,
         callbacks=[record],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(Classifier(hidden=spec["hidden"]))
     save_results(out_dir, trainer.global_rank, record.result)

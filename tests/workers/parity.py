@@ -13,8 +13,9 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.memory import engine_of, measure
-from tests.scenarios import Scenario, StrategySpec, read_payload, save_results
+from lightning_zero.memory import engine_of, measure, storage_bytes
+from tests.oracle import full, full_optimizer_state
+from tests.scenarios import QUIET, Scenario, StrategySpec, read_payload, save_results
 from tests.workers.modules import MODULES
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
@@ -48,27 +49,6 @@ class MemoryProbe(pl.Callback):
             grads += [b.buffer for b in engine.reducer.buckets if b.buffer is not None and b.shard_grads is None]
             grads += [b.shard_grads for b in engine.reducer.buckets if b.shard_grads is not None]
         self.grad_bytes = storage_bytes(grads)
-
-
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() == 0:
-            continue
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's state dict with shards gathered whole, to compare with DDP's."""
-    state_dict = optimizer.state_dict()
-    full = {
-        index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entries.items()}
-        for index, entries in state_dict["state"].items()
-    }
-    return {**state_dict, "state": full}
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
@@ -132,11 +112,8 @@ def fit(
         devices=WORLD_SIZE,
         strategy=strategy.for_trainer(),
         max_steps=max_steps or scenario.max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=scenario.limit_val_batches,
     )
     trainer_kwargs.update(scenario.trainer_kwargs)
@@ -144,11 +121,6 @@ def fit(
     trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, probe
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathered if sharded (stage 3 keeps DTensor parameters)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def main() -> None:

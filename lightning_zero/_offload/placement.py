@@ -1,0 +1,181 @@
+"""Where the optimizer's side of training lives: the placement policy, chosen once per strategy beside the mode.
+
+A placement owns every decision that depends on where the optimizer steps (see the vocabulary in
+:mod:`lightning_zero._offload`):
+
+- where the optimizer's **masters** live (:meth:`Placement.masters`), and the CPU mesh over the same ranks that host
+  tensors of a device module need (:meth:`Placement.master_mesh`); the reduced gradient shards follow the masters;
+- where **optimizer state** lives between steps (:meth:`Placement.stepping`: disk state moves into its files);
+- which **kernels** a step on shards runs (:meth:`Placement.shard_kernels`, :meth:`Placement.keep_step_kernels`);
+- the **process group** a run needs (:meth:`Placement.process_group_backend`, :meth:`Placement.check_process_group`):
+  host tensors need a CPU backend beside NCCL;
+- stage 3's ``fully_shard`` **offload policy** (:meth:`Placement.fsdp_offload_policy`).
+
+:class:`OnDevice` keeps everything with the parameters; :class:`OnHost` moves masters, gradient copies, optimizer
+state and the step to host memory; :class:`OnDisk` does the same with the optimizer state in memory-mapped files.
+A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.optim import Optimizer
+
+from lightning_zero._offload.disk import DiskState
+from lightning_zero._offload.host import host_copies
+from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
+from lightning_zero._offload.target import OffloadTarget
+
+
+class Placement:
+    """Where masters, gradient shards, optimizer state and the optimizer step live; the base class keeps them all on
+    the device, with the parameters."""
+
+    #: whether anything leaves the device (a single-device run then still takes the sharded path)
+    offloads: bool = False
+
+    def __init__(self, *, pin_memory: bool = True) -> None:
+        self.pin_memory = pin_memory  # page-lock host tensors of a CUDA module
+        self._kernels: dict[int, KernelChoice] = {}  # stage 3: each optimizer's kernels, by ``id``
+
+    # --- the process group ------------------------------------------------------------------------------------------
+
+    def process_group_backend(self, requested: str | None, device_type: str) -> str | None:
+        """The backend the front end creates the process group with; ``None``: the front end's own choice."""
+        return None
+
+    def check_process_group(self, device_type: str) -> None:
+        """Once the process group exists: refuse one that cannot carry what this placement sends."""
+
+    # --- stages 1 and 2: the engine's masters -----------------------------------------------------------------------
+
+    def masters(self, shards: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """The optimizer's copy of each of ``shards`` (this rank's rows of the module's parameters), in ``dtype``
+        (``None``: each shard's own): the shard itself where the optimizer can step on it in place."""
+        if dtype is None:
+            return list(shards)
+        return [shard if shard.dtype == dtype else shard.to(dtype, copy=True) for shard in shards]
+
+    def master_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The mesh of the masters' DTensors when it is not ``mesh``, the module's."""
+        return None
+
+    def shard_kernels(self, optimizer: Optimizer) -> KernelChoice:
+        """The kernels a :class:`~lightning_zero._engine.optimizer.ZeroOptimizer` steps with; call it with the
+        shards in the groups."""
+        return KernelChoice.on_shards(optimizer, host=False)
+
+    # --- stage 3: ``fully_shard``'s shards --------------------------------------------------------------------------
+
+    def fsdp_offload_policy(self, device: torch.device) -> OffloadPolicy | None:
+        """``fully_shard``'s offload policy; ``None``: the shards stay on the device."""
+        return None
+
+    def keep_step_kernels(self, optimizer: Optimizer) -> None:
+        """Stage 3: decide once, with the shards where they stay, the kernels :meth:`stepping` applies to
+        ``optimizer``."""
+
+    # --- every step -------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
+        """Around the optimizer step of ``optimizer`` (the ``torch.optim`` one): the kernels kept for it."""
+        kernels = self._kernels.get(id(optimizer))
+        if kernels is None:
+            yield
+            return
+        with kernels.applied(optimizer):
+            yield
+
+    @property
+    def state_on_device(self) -> bool:
+        """Whether optimizer state loaded from a checkpoint belongs on the device (else it stays where it was put)."""
+        return True
+
+    def teardown(self) -> None:
+        """After training: release what only training needs."""
+
+
+class OnDevice(Placement):
+    """Everything with the parameters: no offload."""
+
+
+class OnHost(Placement):
+    """Masters, a host copy of each reduced gradient shard, optimizer state and the step in host memory (pinned for a
+    CUDA module); only the updated shards travel back to the device."""
+
+    offloads = True
+
+    def process_group_backend(self, requested: str | None, device_type: str) -> str | None:
+        return backend_with_host(requested) if device_type == "cuda" else None
+
+    def check_process_group(self, device_type: str) -> None:
+        if device_type == "cuda":
+            check_host_collectives()
+
+    def masters(self, shards: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """Host copies of every shard, even in its own dtype."""
+        pin = self.pin_memory and any(t.device.type == "cuda" for t in shards)
+        return host_copies(shards, dtype, pin)
+
+    def master_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The same ranks as a CPU mesh for a device module (the process group must take host tensors:
+        ``cpu:gloo,cuda:nccl``): a DTensor moves its local tensor to its mesh's device type."""
+        return DeviceMesh.from_group(mesh.get_group(), "cpu") if mesh.device_type != "cpu" else None
+
+    def shard_kernels(self, optimizer: Optimizer) -> KernelChoice:
+        return KernelChoice.on_shards(optimizer, host=True)
+
+    def fsdp_offload_policy(self, device: torch.device) -> OffloadPolicy | None:
+        """The shards are the optimizer's parameters: they, their gradients and the optimizer state live on the host
+        (``fully_shard``'s CPU offload), and the step runs there."""
+        return CPUOffloadPolicy(pin_memory=self.pin_memory and device.type == "cuda")
+
+    def keep_step_kernels(self, optimizer: Optimizer) -> None:
+        self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
+
+    @property
+    def state_on_device(self) -> bool:
+        return False
+
+
+class OnDisk(OnHost):
+    """As :class:`OnHost`, with the optimizer state in memory-mapped files under ``directory`` (see
+    :class:`~lightning_zero._offload.disk.DiskState`)."""
+
+    def __init__(self, directory: Path, *, pin_memory: bool = True) -> None:
+        super().__init__(pin_memory=pin_memory)
+        self.directory = directory
+        self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
+
+    @contextmanager
+    def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
+        """State the step created or a checkpoint replaced then moves into its files."""
+        with super().stepping(optimizer):
+            yield
+        if self._disk is None:
+            self._disk = DiskState(self.directory)
+        self._disk.adopt(optimizer)
+
+    def teardown(self) -> None:
+        self._disk = None  # its files go with the last tensor mapping them
+
+
+def placement_for(target: OffloadTarget, *, offload_dir: Path | None, pin_memory: bool) -> Placement:
+    """The placement of the options' offload target."""
+    match target:
+        case OffloadTarget.DEVICE:
+            return OnDevice(pin_memory=pin_memory)
+        case OffloadTarget.CPU:
+            return OnHost(pin_memory=pin_memory)
+        case OffloadTarget.DISK:
+            assert offload_dir is not None  # the options require it
+            return OnDisk(offload_dir, pin_memory=pin_memory)
+    raise ValueError(f"No placement for {target}.")

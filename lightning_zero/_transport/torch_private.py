@@ -1,0 +1,32 @@
+"""The private parts of torch this package relies on, in one place: each import says what it is for and what happens
+when a torch release moves it.
+
+- ``fully_shard``'s pluggable collectives (:class:`AllGather`, :class:`ReduceScatter`), which
+  :mod:`.fsdp_comms` implements on CPU process groups; on a torch without them ``fully_shard`` keeps its own
+  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo.
+- ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
+- a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.utils import _sync_module_states as sync_module_states
+
+try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    CUSTOM_COLLECTIVES = True
+except ImportError:  # older torch: `fully_shard` keeps its own collectives
+    AllGather = ReduceScatter = object  # type: ignore[assignment, misc]
+    CUSTOM_COLLECTIVES = False
+
+
+
+def has_run_forward(root: FSDPModule) -> bool:
+    """Whether the ``fully_shard`` root ran a forward: it sets up its per-step state (which a reset walks) only then,
+    and marks it by deciding that it is the root (``None`` until then)."""
+    return root._get_fsdp_state()._is_root is not None
+
+
+__all__ = ["CUSTOM_COLLECTIVES", "AllGather", "ReduceScatter", "has_run_forward", "sync_module_states"]
