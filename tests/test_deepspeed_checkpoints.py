@@ -24,9 +24,8 @@ from lightning_zero._checkpoint.unpickling import DEEPSPEED_STAND_INS, Unpicklin
 from tests.fixtures.deepspeed.make_fixtures import CASES, HERE, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
 from tests.launch import launch
-from tests.oracle import close
+from tests.oracle import close, full
 from tests.workers.deepspeed_resume import RESUMES, VALIDATED
-from tests.workers.parity import full
 
 WORKER = "tests.workers.deepspeed_resume"
 

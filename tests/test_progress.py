@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_zero.__main__ import main as command_line
-from tests.workers.checkpoints import MODULE_KWARGS
+from tests.scenarios import MODULE_KWARGS
 from tests.workers.modules import Classifier
 
 pytestmark = pytest.mark.slow  # every test here launches processes

@@ -15,7 +15,7 @@ import lightning_zero  # noqa: F401
 from lightning_zero._checkpoint.keys import module_names
 from tests.fixtures.deepspeed.make_fixtures import CASES, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
-from tests.workers.parity import full, full_optimizer_state
+from tests.oracle import full, full_optimizer_state
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
 MORE_STEPS = 3

@@ -22,9 +22,9 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_zero  # noqa: F401
-from tests.workers.checkpoints import MODULE_KWARGS, trainer
+from tests.oracle import full
+from tests.scenarios import MODULE_KWARGS, cpu_trainer
 from tests.workers.modules import Classifier
-from tests.workers.parity import full
 
 STRATEGIES = ("ddp", "zero2", "zero3")
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
@@ -66,7 +66,7 @@ def outcome(load: Callable[[], nn.Module], saved: dict[str, torch.Tensor]) -> di
 
 def trainer_cases(strategy: str, out: Path) -> dict[str, Any]:
     pl.seed_everything(0)
-    trained = trainer(strategy, 2)
+    trained = cpu_trainer(strategy, 2)
     trained.fit(Classifier(**MODULE_KWARGS))
     path = out / f"{strategy}-trainer.ckpt"
     trained.save_checkpoint(path)
@@ -75,7 +75,7 @@ def trainer_cases(strategy: str, out: Path) -> dict[str, Any]:
     def run(module: pl.LightningModule, how: str, strict: bool = True) -> Callable[[], nn.Module]:
         def load() -> nn.Module:
             module.strict_loading = strict
-            getattr(trainer(strategy), how)(module, ckpt_path=path)
+            getattr(cpu_trainer(strategy), how)(module, ckpt_path=path)
             return module
 
         return load
