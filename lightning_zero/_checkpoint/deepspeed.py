@@ -47,6 +47,14 @@ _ENGINE_KEYS = frozenset(
 _REMAP_HINT = "HINT: resume with the module and `configure_optimizers` that DeepSpeed trained."
 
 
+def _unmapped(where: Path, why: str, kind: str = "") -> CheckpointError:
+    """The error of an optimizer state that cannot be mapped to parameters, and why (``kind``: ``"file "`` where
+    ``where`` is one file of the checkpoint)."""
+    return CheckpointError(
+        f"DeepSpeed checkpoint {kind}{where}: {why}; its optimizer state cannot be mapped. {_REMAP_HINT}"
+    )
+
+
 @dataclass
 class DeepSpeedCheckpoint:
     """A DeepSpeed checkpoint as whole tensors, its optimizer state named by parameter."""
@@ -159,9 +167,10 @@ def _partitioned(files: DeepSpeedFiles, shapes: list[dict[str, torch.Size]]) -> 
     base = [o["base_optimizer_state"] for o in optims]
     num_groups = len(base[0]["param_groups"])
     if len(shapes) != num_groups:
-        raise CheckpointError(
-            f"DeepSpeed checkpoint {files.tag_dir}: the model-state file lists {len(shapes)} groups of parameters, the"
-            f" optimizer files {num_groups} param groups; its optimizer state cannot be mapped. {_REMAP_HINT}"
+        raise _unmapped(
+            files.tag_dir,
+            f"the model-state file lists {len(shapes)} groups of parameters,"
+            f" the optimizer files {num_groups} param groups",
         )
     masters: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -185,9 +194,8 @@ def _partitioned(files: DeepSpeedFiles, shapes: list[dict[str, torch.Size]]) -> 
             group_of[name] = g
             offset += numel + gap
         if offset != flat_master.numel():
-            raise CheckpointError(
-                f"DeepSpeed checkpoint {files.tag_dir}: param group {g} lists {offset} elements but its partitions"
-                f" hold {flat_master.numel()}; its optimizer state cannot be mapped. {_REMAP_HINT}"
+            raise _unmapped(
+                files.tag_dir, f"param group {g} lists {offset} elements but its partitions hold {flat_master.numel()}"
             )
     return masters, state, _hyperparameters(base[0]["param_groups"]), group_of
 
@@ -204,9 +212,10 @@ def _stage3(files: DeepSpeedFiles, shapes: list[dict[str, torch.Size]]) -> tuple
     param_groups = torch_states[0]["param_groups"]
     group_of_sub = {s: g for g, group in enumerate(param_groups) for s in group["params"]}
     if len(shapes) != len(flat_groups[0]) or sorted(group_of_sub) != list(range(len(shapes))):
-        raise CheckpointError(
-            f"DeepSpeed checkpoint {files.tag_dir}: the model-state file lists {len(shapes)} sub-groups of parameters,"
-            f" the optimizer files {len(flat_groups[0])}; its optimizer state cannot be mapped. {_REMAP_HINT}"
+        raise _unmapped(
+            files.tag_dir,
+            f"the model-state file lists {len(shapes)} sub-groups of parameters,"
+            f" the optimizer files {len(flat_groups[0])}",
         )
     masters: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -216,9 +225,10 @@ def _stage3(files: DeepSpeedFiles, shapes: list[dict[str, torch.Size]]) -> tuple
         length = sum(pieces)
         for rank, groups in enumerate(flat_groups):
             if groups[s].numel() != length:
-                raise CheckpointError(
-                    f"DeepSpeed checkpoint file {files.optim_paths[rank]}: sub-group {s} holds {groups[s].numel()}"
-                    f" elements, its parameters' pieces {length}; its optimizer state cannot be mapped. {_REMAP_HINT}"
+                raise _unmapped(
+                    files.optim_paths[rank],
+                    f"sub-group {s} holds {groups[s].numel()} elements, its parameters' pieces {length}",
+                    "file ",
                 )
         per_element, shared = _split_state([t["state"][s] for t in torch_states], length, files.optim_paths)
         offset = 0
