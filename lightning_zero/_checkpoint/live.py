@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero._checkpoint import directory as ckpt
@@ -32,6 +32,7 @@ from lightning_zero._checkpoint import keys
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.ranks import Ranks
 from lightning_zero._checkpoint.unpickling import Unpickling
+from lightning_zero._checkpoint.whole import rows_of
 
 
 @dataclass(frozen=True)
@@ -173,13 +174,7 @@ def load_full_optimizer_state(entries: OptimizerEntries, state_dict: dict[str, A
         if isinstance(param, DTensor):
             for key, value in param_state.items():
                 if keys.sharded_with_parameter(recorded, index, key, value, param.shape):
-                    placed = distribute_tensor(
-                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                    )
-                    # laid out like the parameter, on its device: a DTensor made by `distribute_tensor` lives on its
-                    # mesh's device type, while offloaded shards live on the host
-                    converted[key] = torch.empty_like(param, dtype=placed.dtype)
-                    converted[key].to_local().copy_(placed.to_local())
+                    converted[key] = rows_of(value, param)
         state[index] = converted
     clean = {k: v for k, v in state_dict.items() if k != keys.SHARDED_KEYS}
     entries.optimizer.load_state_dict({**clean, "state": state})

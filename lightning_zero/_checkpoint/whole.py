@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_zero._checkpoint import keys, publish
 from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
@@ -54,6 +54,16 @@ def _whole(shard: DTensor) -> torch.Tensor:
             local, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride(), run_check=False
         )
     return shard.full_tensor()
+
+
+def rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's rows of ``whole``, laid out as ``like`` (no communication: every rank holds ``whole``), on
+    ``like``'s device: offloaded shards live on the host while their mesh names the accelerator. The inverse of
+    :func:`_whole`."""
+    mesh = like.device_mesh
+    placed = distribute_tensor(whole.detach().to(mesh.device_type), mesh, like.placements, src_data_rank=None)
+    local = placed.to_local().to(like.to_local().device)
+    return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
 def whole_optimizer_state(named: dict[str, Any], shapes: dict[str, torch.Size], keep: bool) -> dict[str, Any]:

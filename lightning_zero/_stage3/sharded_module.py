@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from lightning_zero._checkpoint.whole import rows_of
 from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
@@ -203,16 +204,7 @@ class ShardedModule:
             value = state_dict.get(prefix + name)
             whole = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
             if whole and isinstance(param, DTensor) and value.shape == param.shape:
-                state_dict[prefix + name] = _rows_of(value, param)
-
-
-def _rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
-    """This rank's rows of ``whole``, laid out as ``like`` (no communication: every rank holds ``whole``), on
-    ``like``'s device: offloaded shards live on the host while their mesh names the accelerator."""
-    mesh = like.device_mesh
-    placed = distribute_tensor(whole.detach().to(mesh.device_type), mesh, like.placements, src_data_rank=None)
-    local = placed.to_local().to(like.to_local().device)
-    return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
+                state_dict[prefix + name] = rows_of(value, param)
 
 
 def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
