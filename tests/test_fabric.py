@@ -170,14 +170,3 @@ def test_consolidated_fabric_checkpoint(runs: dict[int, list[dict[Any, Any]]], c
     for index, entries in saved["optimizers"][0]["state"].items():
         for key, value in entries.items():
             assert torch.equal(state["state"][index][key], value), (index, key)
-
-
-def test_a_second_module_is_refused_not_left_untrained() -> None:
-    """The strategy shards one module: setting up another would silently detach the first one's gradient
-    reduction, so it is refused with a HINT; setting up the same module again is fine."""
-    fabric = Fabric(accelerator="cpu", devices=1, strategy="zero2")
-    fabric.launch()  # one process: this one
-    first = fabric.setup_module(torch.nn.Linear(4, 4))
-    assert fabric.setup_module(first.module) is not None
-    with pytest.raises(RuntimeError, match=r"shards one module, and `Linear` is set up already\. HINT: "):
-        fabric.setup_module(torch.nn.Linear(4, 4))

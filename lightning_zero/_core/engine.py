@@ -60,19 +60,19 @@ class EngineMode(Mode):
     def buffers(self) -> BufferHolder | None:
         return self.engine
 
-    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
+    def model_entries(self, module: nn.Module) -> dict[str, Any]:
         """Each sharded parameter as the DTensor over this rank's master (the fp32 one where there is one)."""
-        state = super()._model_entries(module)
+        state = super().model_entries(module)
         return state if self.engine is None else self.engine.with_masters(module, state)
 
-    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+    def optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
         """A sharded optimizer's state is laid out like the shards it updates."""
         optimizer = as_set_up(optimizer)
         if isinstance(optimizer, ZeroOptimizer):
             return OptimizerEntries(optimizer, optimizer.updated_tensors())
-        return super()._optimizer_entries(optimizer)
+        return super().optimizer_entries(optimizer)
 
-    def _after_load(self) -> None:
+    def after_load(self) -> None:
         if self.engine is not None:
             with torch.no_grad():
                 self.engine.module_from_masters()  # the module's rows from the masters, and the other ranks' rows

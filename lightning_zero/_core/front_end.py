@@ -95,20 +95,28 @@ class ZeroFrontEnd:
         super().setup_environment()  # type: ignore[misc]
         self.placement.check_process_group(device_type)
 
-    def _set_up_optimizers(self, module: nn.Module, optimizers: list[Optimizer], plugin: Any) -> list[Optimizer]:
-        """The mode's optimizers, and the front end's ZeRO-aware precision ``plugin`` told how the loss is scaled: by
-        the mode's loss scaler where it takes the place of the plugin's ``GradScaler``."""
-        taken = self.mode.replaces_grad_scaler and take_over_scaler(plugin)
-        optimizers = self.mode.setup_optimizers(module, optimizers, grad_scaler_taken=taken)
-        plugin.zero_loss_scaler = self.mode.loss_scaler
+    def _set_up_optimizers(
+        self, mode: Mode, module: nn.Module, optimizers: list[Optimizer], plugin: Any
+    ) -> list[Optimizer]:
+        """The optimizers as ``mode`` (``module``'s) steps them, and the front end's ZeRO-aware precision ``plugin``
+        told how the loss is scaled: by the mode's loss scaler where it takes the place of the plugin's
+        ``GradScaler``."""
+        taken = mode.replaces_grad_scaler and take_over_scaler(plugin)
+        optimizers = mode.setup_optimizers(module, optimizers, grad_scaler_taken=taken)
+        plugin.zero_loss_scaler = mode.loss_scaler
         return optimizers
 
     def _reported_step(
-        self, optimizer: Optimizer, step: Callable[[], Any], module: nn.Module, optimizers: Iterable[Optimizer]
+        self,
+        mode: Mode,
+        optimizer: Optimizer,
+        step: Callable[[], Any],
+        module: nn.Module,
+        optimizers: Iterable[Optimizer],
     ) -> Any:
-        """The optimizer step as the mode runs it; the first one of a run is followed by the memory report: rank 0's
-        model state beside the estimate (other ranks measure nothing; no collective is involved)."""
-        output = self.mode.optimizer_step(optimizer, step)
+        """The optimizer step as ``mode`` (``module``'s) runs it; the first one of a run is followed by the memory
+        report: rank 0's model state beside the estimate (other ranks measure nothing; no collective is involved)."""
+        output = mode.optimizer_step(optimizer, step)
         if self._report_due:
             self._report_due = False
             if self.is_global_zero:
@@ -119,9 +127,9 @@ class ZeroFrontEnd:
                     num_ranks=self.world_size,
                     num_nodes=self.num_nodes,
                     master_weights=self.config.master_weights,
-                    buffers=self.mode.buffers,
+                    buffers=mode.buffers,
                     offload=self.placement.offloads,
-                    shard_group_size=self.mode.shard_size,
+                    shard_group_size=mode.shard_size,
                 )
                 log_info(report)
         return output

@@ -41,6 +41,13 @@ class FullyShardMode(Mode):
         # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
         self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
+    def sibling(self) -> Mode:
+        """Modules built together under one ``init_context`` share the record of their meta parameters."""
+        other = super().sibling()
+        assert isinstance(other, FullyShardMode)
+        other.meta_init = self.meta_init
+        return other
+
     def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
         """Parameters of modules with ``reset_parameters()`` are created on the meta device and get their values after
         sharding (see :mod:`lightning_zero._stage3.meta_init`), unless ``empty_init`` is false."""
@@ -101,6 +108,13 @@ class FullyShardMode(Mode):
                     )
                 group["params"][index] = shards[name]
 
+    def updates(self, module: nn.Module, optimizer: Optimizer) -> bool:
+        """Built on the module's shards, or on its parameters before sharding."""
+        if super().updates(module, optimizer):
+            return True
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        return any(self._names.get(id(p), (lambda: None, ""))[0]() is p for p in params)
+
     def _placed(self) -> ShardedModule:
         assert self.sharded is not None, f"the module is not set up yet ({self.state})"
         return self.sharded
@@ -142,5 +156,3 @@ class FullyShardMode(Mode):
         step's unfinished gathers and reductions and reshard every unit."""
         if self.sharded is not None:  # even if the failure came while setting up
             self.sharded.settle()
-
-

@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum, auto
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -41,13 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import (
-    OptimizerEntries,
-    load_directory,
-    load_full_optimizer_state,
-    named_optimizer_state,
-    save_directory,
-)
+from lightning_zero._checkpoint.live import OptimizerEntries, load_full_optimizer_state
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.loss_scaler import LossScaler
@@ -88,6 +81,11 @@ class Mode:
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
 
     # --- construction and setup ---------------------------------------------------------------------------------
+
+    def sibling(self) -> Mode:
+        """A mode like this one for another module of the same run (Fabric sets up several): its own module, units
+        and buckets, the same options and placement."""
+        return type(self)(self.config, self.placement, self.ranks_per_node)
 
     def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
         """Around the module's construction (``configure_model``, ``init_module``)."""
@@ -182,54 +180,26 @@ class Mode:
     def at_rest(self) -> None:
         """Bring the module to rest (see the module's vocabulary)."""
 
-    # --- state: what the mode hands the checkpoint layer (:mod:`lightning_zero._checkpoint.live`) and takes back ---
+    # --- state: what the mode hands the checkpoint layer (:mod:`lightning_zero._core.checkpointed`) and takes back -
 
-    def module_state(self, module: nn.Module) -> dict[str, Any]:
-        """The module's state dict for a checkpoint: sharded parameters as DTensors over this rank's rows."""
+    def model_entries(self, module: nn.Module) -> dict[str, Any]:
+        """The module's state dict for a checkpoint, at rest, each sharded parameter the DTensor over this rank's rows
+        of what the optimizer updates; the values alias the live tensors, so loading into them loads into the
+        module."""
         self.at_rest()
-        return self._model_entries(module)
-
-    def _model_entries(self, module: nn.Module) -> dict[str, Any]:
-        """The module's state dict, each sharded parameter the DTensor over this rank's rows of what the optimizer
-        updates; the values alias the live tensors, so loading into them loads into the module."""
         return module.state_dict()
 
-    def _optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
+    def optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
         """The optimizer as set up, and the tensors its state is laid out like."""
         return OptimizerEntries.of(as_set_up(optimizer))
 
-    def _after_load(self) -> None:
+    def after_load(self) -> None:
         """After a checkpoint directory filled the entries: make what depends on them current."""
 
-    def optimizer_state(self, optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
-        """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
-        self.at_rest()
-        return named_optimizer_state(as_set_up(optimizer), module)
-
-    def load_directory(
-        self,
-        path: Path,
-        module: nn.Module,
-        optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
-        weights_only: bool | None,
-        strict: bool = True,
-    ) -> dict[str, Any]:
-        """Load a checkpoint directory into the live module and the optimizers ``optimizers_for`` names, given what
-        the checkpoint holds beyond the states (none when not fitting); return that. ``weights_only``: the user's,
-        what its pickled files may import; ``strict``: as in ``load_state_dict``."""
-        self.at_rest()
-
-        def entries_for(saved: dict[str, Any]) -> list[OptimizerEntries]:
-            return [self._optimizer_entries(o) for o in optimizers_for(saved)]
-
-        rest = load_directory(path, module, self._model_entries(module), entries_for, weights_only, strict)
-        self._after_load()
-        return rest
-
-    def save_directory(self, checkpoint: dict[str, Any], module: nn.Module, path: Path) -> None:
-        """Write Lightning's ``checkpoint``, made of this mode's :meth:`module_state` and :meth:`optimizer_state`, as
-        a directory at ``path``, every rank its own shards (named after ``module``'s parameters)."""
-        save_directory(checkpoint, module, path)
+    def updates(self, module: nn.Module, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` was built on ``module``'s parameters (this mode placed ``module``)."""
+        params = {id(p) for p in module.parameters()}
+        return any(id(p) in params for group in as_set_up(optimizer).param_groups for p in group["params"])
 
     def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over): each
@@ -240,7 +210,7 @@ class Mode:
     def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
         shards of it, on the device unless they are offloaded."""
-        load_full_optimizer_state(self._optimizer_entries(optimizer), state_dict)
+        load_full_optimizer_state(self.optimizer_entries(optimizer), state_dict)
         if self.placement.state_on_device:  # offloaded state stays where the loader put it
             _optimizer_to_device(as_set_up(optimizer), self.device)
 

@@ -4,9 +4,10 @@ checkpoint the Trainer writes, and back.
 A Trainer checkpoint names the module's state ``"state_dict"`` and lists the optimizers' in ``"optimizer_states"``;
 a Fabric checkpoint is written the same way, with what the Trainer insists on when it resumes (Lightning's version,
 and an empty ``"lr_schedulers"``: a Fabric loop keeps its schedulers among its own entries), every other entry of
-``state`` under its own name, and a record of the names the module and optimizers had (:data:`RECORD`). So a
+``state`` under its own name, and a record of the names the modules and optimizers had (:data:`RECORD`). So a
 checkpoint of either front end loads in the other: the module gets ``"state_dict"``, the optimizers
-``"optimizer_states"`` by their saved names or, without a record, in order.
+``"optimizer_states"`` by their saved names or, without a record, in order. A state of several modules keeps them all
+in ``"state_dict"``, each parameter under its module's name (``g.<fqn>``, see :mod:`lightning_zero._core.checkpointed`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.error import CheckpointError
 
-RECORD = "lightning_zero_fabric"  # {"module": its name in `state`, "optimizers": their names, in saved order}
+RECORD = "lightning_zero_fabric"  # {"modules": their names in `state`, "optimizers": their names, in saved order}
 _MODEL, _OPTIMIZERS, _SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
 _RESERVED = (_MODEL, _OPTIMIZERS, _SCHEDULERS, RECORD, "pytorch-lightning_version")
 
@@ -33,16 +34,17 @@ _RESERVED = (_MODEL, _OPTIMIZERS, _SCHEDULERS, RECORD, "pytorch-lightning_versio
 class FabricState:
     """Which names of a Fabric ``state`` dict hold the module and the optimizers."""
 
-    module_key: str | None
+    modules: list[str]
     optimizers: list[str]
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> FabricState:
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        if len(modules) > 1:
+        unnamable = [k for k in modules if len(modules) > 1 and (not k or "." in k)]
+        if unnamable:
             raise ValueError(
-                f"The checkpoint state holds several modules ({modules}); a ZeRO strategy shards one."
-                " HINT: put the other modules inside the one you set up, or save them separately."
+                f"The checkpoint state holds several modules, and names some {unnamable}: each module's parameters"
+                " are saved under its name and a dot. HINT: name the modules without dots (`{'generator': ...}`)."
             )
         reserved = [k for k in state if k in _RESERVED]
         if reserved:
@@ -51,31 +53,29 @@ class FabricState:
                 " HINT: rename those entries."
             )
         optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
-        return cls(modules[0] if modules else None, optimizers)
-
-    def module(self, state: dict[str, Any]) -> nn.Module | None:
-        return None if self.module_key is None else state[self.module_key]
+        return cls(modules, optimizers)
 
     def to_checkpoint(
         self,
         state: dict[str, Any],
         *,
-        module_state: dict[str, Any],
+        module_states: dict[str, dict[str, Any]],
+        combined: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
         optimizer_states: list[dict[str, Any]],
         filter: dict[str, Callable[[str, Any], bool]],
     ) -> dict[str, Any]:
-        """The checkpoint of ``state``, given its module's and optimizers' states as the mode makes them."""
+        """The checkpoint of ``state``, given its modules' states by name and its optimizers' states as the modes make
+        them; ``combined`` makes the modules' states one state dict, once each is filtered."""
         checkpoint: dict[str, Any] = {"pytorch-lightning_version": lightning.__version__, _SCHEDULERS: []}
         for key, value in state.items():
-            if key != self.module_key and key not in self.optimizers:
+            if key not in self.modules and key not in self.optimizers:
                 _apply_filter(key, filter, value.state_dict() if isinstance(value, _Stateful) else value, checkpoint)
-        if self.module_key is not None:
-            kept: dict[str, Any] = {}
-            _apply_filter(self.module_key, filter, module_state, kept)
-            module_state = kept[self.module_key]
-        checkpoint[_MODEL] = module_state
+        kept: dict[str, Any] = {}
+        for key in self.modules:
+            _apply_filter(key, filter, module_states[key], kept)
+        checkpoint[_MODEL] = combined(kept)
         checkpoint[_OPTIMIZERS] = optimizer_states
-        checkpoint[RECORD] = {"module": self.module_key, "optimizers": list(self.optimizers)}
+        checkpoint[RECORD] = {"modules": list(self.modules), "optimizers": list(self.optimizers)}
         return checkpoint
 
     def saved_optimizer_order(self, checkpoint: dict[str, Any], path: Path) -> list[str]:
@@ -93,17 +93,22 @@ class FabricState:
             )
         return order
 
-    def pop_module_state(self, checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
-        """An ordinary file's module state: under the module's name (Fabric's own format) or ``"state_dict"``."""
-        if self.module_key in checkpoint:
-            return checkpoint.pop(self.module_key)
-        if _MODEL in checkpoint:
-            return checkpoint.pop(_MODEL)
-        raise CheckpointError(
-            f"Checkpoint {path} holds no entry `{self.module_key}` nor `{_MODEL}` for the module."
-            f" HINT: a file of the module's state dict alone (`torch.save(model.state_dict(), path)`) loads with"
-            f" `fabric.load_raw(path, model)`."
-        )
+    def pop_module_states(self, checkpoint: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
+        """An ordinary file's module states (made :func:`as_saved`), by the names in ``state``: under those names
+        (Fabric's own format) or, for a module alone, ``"state_dict"`` (the Trainer's)."""
+        states = {}
+        for key in self.modules:
+            if key in checkpoint:
+                states[key] = checkpoint.pop(key)
+            elif len(self.modules) == 1 and _MODEL in checkpoint:
+                states[key] = checkpoint.pop(_MODEL)
+            else:
+                raise CheckpointError(
+                    f"Checkpoint {path} holds no entry `{key}`{'' if len(self.modules) > 1 else f' nor `{_MODEL}`'}"
+                    " for the module. HINT: load it with the names it was saved with; a file of one module's state"
+                    " dict alone (`torch.save(model.state_dict(), path)`) loads with `fabric.load_raw(path, model)`."
+                )
+        return states
 
     def pop_optimizer_states(self, checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """An ordinary file's optimizer states, by the names in ``state``."""
@@ -119,7 +124,7 @@ class FabricState:
         _drop_format_entries(checkpoint)
         for key in (_MODEL, _OPTIMIZERS):
             checkpoint.pop(key, None)
-        others = [k for k in state if k != self.module_key and k not in self.optimizers]
+        others = [k for k in state if k not in self.modules and k not in self.optimizers]
         _validate_keys_for_strict_loading(others, checkpoint.keys(), strict=strict)
         for key in others:
             if key not in checkpoint:
@@ -149,8 +154,7 @@ def as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
     contents = dict(checkpoint)
     _drop_format_entries(contents)
     model, optimizers = contents.pop(_MODEL), contents.pop(_OPTIMIZERS, [])
-    if record["module"] is not None:
-        contents[record["module"]] = model
+    contents.update(_split(model, _recorded_modules(record)))
     for name, optimizer_state in zip(record["optimizers"], optimizers, strict=False):
         contents[name] = optimizer_state
     return contents
@@ -162,3 +166,21 @@ def _drop_format_entries(checkpoint: dict[str, Any]) -> None:
         checkpoint.pop("pytorch-lightning_version", None)
         if checkpoint.get(_SCHEDULERS) == []:
             checkpoint.pop(_SCHEDULERS)
+
+
+def _recorded_modules(record: dict[str, Any]) -> list[str]:
+    """The modules' names a Fabric checkpoint recorded (``"module"``: one name or none, before several were kept)."""
+    if "modules" in record:
+        return list(record["modules"])
+    return [] if record.get("module") is None else [record["module"]]
+
+
+def _split(model_state: dict[str, Any], modules: list[str]) -> dict[str, dict[str, Any]]:
+    """The state dict of the checkpoint's modules by their names: one holds it all; several, each its prefix's."""
+    if len(modules) <= 1:
+        return {name: model_state for name in modules}
+    split: dict[str, dict[str, Any]] = {name: {} for name in modules}
+    for key, value in model_state.items():
+        module, name = key.split(".", 1)
+        split[module][name] = value
+    return split

@@ -33,7 +33,10 @@ from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
 from lightning_zero._config import Stage, StateDictType, ZeroConfig
+from lightning_zero._core import Mode, PlainMode
+from lightning_zero._core.checkpointed import Checkpointed, Trained
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._core.optimizers import as_set_up
 from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state
@@ -88,7 +91,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **set_by_fabric
         )
         self._backward_sync_control = _NoSync(self)
-        self._module: nn.Module | None = None  # the module set up, whose parameters the optimizers update
+        self._trained: list[Trained] = []  # the modules set up, in order, each with the mode that trains it
+        self._optimizers: dict[int, Trained] = {}  # by the id of each optimizer as set up: the module it updates
         self._hooks: list[RemovableHandle] = []
 
     precision = zero_aware_plugin("_precision", zero_aware, Precision)
@@ -112,47 +116,78 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards)."""
         module = self.setup_module(module)
-        return module, self._set_up_optimizers(module, optimizers, self.precision), scheduler
+        return module, self._set_up(self._trained_of(module), optimizers), scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self._module is not None and module is not self._module:
-            raise RuntimeError(
-                f"{type(self).__name__} shards one module, and `{type(self._module).__name__}` is set up already."
-                " HINT: put the modules you train together in one `nn.Module` and set that up once."
-            )
-        self.mode.setup_module(module, self.root_device)
-        self._module = module
-        self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+        """Each module set up gets its own mode (its own units under stage 3, its own buckets under stages 1 and 2),
+        the first one the strategy's :attr:`mode`."""
+        trained = self._trained_of(module)
+        if trained is None:
+            trained = Trained(module, self.mode if not self._trained else self.mode.sibling())
+            self._trained.append(trained)
+            self._hooks.append(module.register_forward_pre_hook(partial(_before_forward, trained.mode)))
+        trained.mode.setup_module(module, self.root_device)
         self._report_due = self.config.memory_report
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None:
+        """Set up with the module whose parameters it updates."""
+        owners = [trained for trained in self._trained if trained.mode.updates(trained.module, optimizer)]
+        if len(owners) != 1:
+            found = "none of them" if not owners else " and ".join(f"`{type(t.module).__name__}`" for t in owners)
             raise RuntimeError(
-                "The ZeRO strategies shard an optimizer along the parameters of its module."
-                " HINT: call `fabric.setup_module(model)` (or `fabric.setup(model, optimizer)`) first."
+                f"The ZeRO strategies shard an optimizer along the parameters of one module set up before it, and"
+                f" {type(optimizer).__name__} updates parameters of {found}. HINT: call `fabric.setup_module(model)`"
+                " first, and build one optimizer per module from its `parameters()`."
             )
-        return self._set_up_optimizers(self._module, [optimizer], self.precision)[0]
+        return self._set_up(owners[0], [optimizer])[0]
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.mode.before_step(module)
+    def _set_up(self, trained: Trained, optimizers: list[Optimizer]) -> list[Optimizer]:
+        """``trained``'s optimizers as its mode steps them, each remembered with its module."""
+        set_up = self._set_up_optimizers(trained.mode, trained.module, optimizers, self.precision)
+        if len([t for t in self._trained if t.mode.loss_scaler is not None]) > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} scales an fp16 loss with a scaler of the module's own gradient shards, and"
+                " the precision plugin multiplies the loss by one scaler: one module only."
+                " HINT: train several modules with `precision='bf16-mixed'` (or 32-bit), or under `zero3`."
+            )
+        for optimizer in set_up:
+            self._optimizers[id(as_set_up(optimizer))] = trained
+        return set_up
+
+    def _trained_of(self, module: nn.Module) -> Trained | None:
+        return next((trained for trained in self._trained if trained.module is module), None)
+
+    def _trained_with(self, optimizer: Optimizer) -> Trained:
+        trained = self._optimizers.get(id(as_set_up(optimizer)))
+        if trained is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was not set up by {type(self).__name__}."
+                " HINT: pass it to `fabric.setup(model, optimizer)` or `fabric.setup_optimizers(optimizer)`."
+            )
+        return trained
+
+    def _modes(self) -> list[Mode]:
+        return [trained.mode for trained in self._trained] or [self.mode]
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Fabric's backward (the precision plugin applies the engine's loss scale), then what the mode does after
         it."""
-        self.mode.check_loss(tensor)
+        for mode in self._modes():
+            mode.check_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)
-        self.mode.after_backward()
+        for mode in self._modes():  # the loss may reach into several modules (a GAN's generator through its critic)
+            mode.after_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step as the mode runs it; the first one is followed by the memory report."""
-        assert self._module is not None
+        trained = self._trained_with(optimizer)
         step = partial(super().optimizer_step, optimizer, **kwargs)
-        return self._reported_step(optimizer, step, self._module, [optimizer])
+        return self._reported_step(trained.mode, optimizer, step, trained.module, [optimizer])
 
     @override
     def save_checkpoint(
@@ -167,20 +202,20 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         ``state_dict_type="full"``, rank 0 writes one ordinary file there instead, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         parts = FabricState.of(state)
-        module = parts.module(state)
+        checkpointed = self._checkpointed(state, parts)
         checkpoint = parts.to_checkpoint(
             state,
-            module_state=self.mode.module_state(module) if module is not None else {},
-            optimizer_states=[self.mode.optimizer_state(state[k], module) for k in parts.optimizers],
+            module_states=checkpointed.module_states(),
+            combined=checkpointed.combined,
+            optimizer_states=[checkpointed.optimizer_state(state[k]) for k in parts.optimizers],
             filter=filter or {},
         )
         target = Path(self.broadcast(str(path)))
-        named_like = module if module is not None else nn.Module()  # what the optimizers' state is named after
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
-                self.mode.save_directory(checkpoint, named_like, target)
+                checkpointed.save_directory(checkpoint, target)
             case StateDictType.FULL:  # the file "ddp" writes, the entries under the user's names
-                whole = gathered_checkpoint(checkpoint, named_like, self.is_global_zero)
+                whole = gathered_checkpoint(checkpoint, checkpointed.named_like, self.is_global_zero)
                 if self.is_global_zero:
                     write_file(target, as_saved(whole))
 
@@ -209,41 +244,64 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             )
             return as_saved(reading)
         parts = FabricState.of(state)
-        module = parts.module(state)
-        if module is None:
+        if not parts.modules:
             raise TypeError(
                 "The ZeRO strategies load a checkpoint into the module it was saved from, and `state` holds none."
                 " HINT: pass the module set up with `fabric.setup` in `state` too."
             )
+        checkpointed = self._checkpointed(state, parts)
         if directory is not None and is_deepspeed_checkpoint(directory):
-            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
-            checkpoint = deepspeed.checkpoint_for(module, [state[k] for k in parts.optimizers], strict)
-            self._load_file_states(state, parts, module, checkpoint, strict, directory)
+            checkpoint = self._read_deepspeed(directory, state, parts, strict, weights_only)
+            self._load_file_states(state, parts, checkpointed, checkpoint, strict, directory)
         elif directory is not None:
 
             def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
                 return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
 
-            checkpoint = self.mode.load_directory(directory, module, saved_optimizers, weights_only, strict)
+            checkpoint = checkpointed.load_directory(directory, saved_optimizers, weights_only, strict)
         else:
-            checkpoint = self._read_file(source, weights_only)
-            self._load_file_states(state, parts, module, checkpoint, strict, source)
+            checkpoint = as_saved(self._read_file(source, weights_only))
+            self._load_file_states(state, parts, checkpointed, checkpoint, strict, source)
         return parts.restore_rest(state, checkpoint, strict)
+
+    def _checkpointed(self, state: dict[str, Any], parts: FabricState) -> Checkpointed:
+        """The modules of ``state`` with the modes that train them; a module not set up is saved and loaded whole,
+        as under ``"ddp"``."""
+        modules = {}
+        for key in parts.modules:
+            module = state[key]
+            trained = self._trained_of(module)
+            modules[key] = trained if trained is not None else Trained(module, PlainMode(self.config, self.placement))
+        return Checkpointed(modules, lambda optimizer: self._trained_with(optimizer).mode)
+
+    def _read_deepspeed(
+        self, directory: Path, state: dict[str, Any], parts: FabricState, strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """A DeepSpeed checkpoint as the ordinary checkpoint it amounts to, for the one module it trained."""
+        if len(parts.modules) != 1:
+            raise CheckpointError(
+                f"{directory} is a DeepSpeed checkpoint, of one engine's module, and `state` holds {parts.modules}."
+                " HINT: load it into the one module it was saved from."
+            )
+        deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
+        return deepspeed.checkpoint_for(state[parts.modules[0]], [state[k] for k in parts.optimizers], strict)
 
     def _load_file_states(
         self,
         state: dict[str, Any],
         parts: FabricState,
-        module: nn.Module,
+        checkpointed: Checkpointed,
         checkpoint: dict[str, Any],
         strict: bool,
         source: Path,
     ) -> None:
-        """Load the whole tensors of an ordinary checkpoint (read from ``source``) into the module and optimizers of
+        """Load the whole tensors of an ordinary checkpoint (read from ``source``) into the modules and optimizers of
         ``state``."""
-        self.mode.load_module_state(module, parts.pop_module_state(checkpoint, source), strict)
+        for key, module_state in parts.pop_module_states(checkpoint, source).items():
+            trained = checkpointed.modules[key]
+            trained.mode.load_module_state(trained.module, module_state, strict)
         for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
-            self.mode.load_optimizer_state(state[key], optimizer_state)
+            self._trained_with(state[key]).mode.load_optimizer_state(state[key], optimizer_state)
 
     def _load_raw(
         self,
@@ -262,40 +320,49 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             )
         contents = self._read_file(source, weights_only)
         if isinstance(target, nn.Module):
-            self.mode.load_module_state(target, raw_module_state(contents), strict)
+            self.load_module_state_dict(target, raw_module_state(contents), strict)
         else:
-            self.mode.load_optimizer_state(target, contents)
+            self._trained_with(target).mode.load_optimizer_state(target, contents)
 
     def _read_file(self, source: Path, weights_only: bool | None) -> Any:
         """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
         check_file(source)
         return self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
 
+    def _mode_of(self, module: nn.Module) -> Mode:
+        trained = self._trained_of(module)
+        return self.mode if trained is None else trained.mode
+
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return self.mode.module_state(module)
+        return self._mode_of(module).model_entries(module)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        self.mode.load_module_state(module, state_dict, strict)
+        self._mode_of(module).load_module_state(module, state_dict, strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self._module is not None
-        return self.mode.optimizer_state(optimizer, self._module)
+        trained = self._trained_with(optimizer)
+        return Checkpointed.one(trained.module, trained.mode).optimizer_state(optimizer)
 
     @override
     def teardown(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self.mode.teardown()
+        for mode in self._modes():
+            mode.teardown()
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_names(strategy_registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+
+
+def _before_forward(mode: Mode, module: nn.Module, args: Any) -> None:
+    mode.before_step(module)
 
 
 class _NoSync(_BackwardSyncControl):
@@ -307,7 +374,7 @@ class _NoSync(_BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self._strategy.mode.no_sync() if enabled else nullcontext()
+        return self._strategy._mode_of(module).no_sync() if enabled else nullcontext()
 
 
 class Zero1Strategy(ZeroStrategy):

@@ -34,6 +34,7 @@ from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
+from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
@@ -185,7 +186,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
-        self.optimizers = self._set_up_optimizers(self.lightning_module, self.optimizers, self.precision_plugin)
+        self.optimizers = self._set_up_optimizers(
+            self.mode, self.lightning_module, self.optimizers, self.precision_plugin
+        )
 
     @override
     def optimizer_step(
@@ -198,7 +201,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         """The step as the mode runs it; the first step of a ``fit`` is followed by the memory report."""
         assert self.lightning_module is not None
         step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-        return self._reported_step(optimizer, step, self.lightning_module, self.optimizers)
+        return self._reported_step(self.mode, optimizer, step, self.lightning_module, self.optimizers)
 
     @contextmanager
     @override
@@ -297,20 +300,20 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # a sharded checkpoint loads into the shards, which exist only after setup
 
+    def _checkpointed(self) -> Checkpointed:
+        assert self.lightning_module is not None
+        return Checkpointed.one(self.lightning_module, self.mode)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.mode.module_state(self.lightning_module)
+        return self._checkpointed().module_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.mode.optimizer_state(optimizer, self.lightning_module)
+        return self._checkpointed().optimizer_state(optimizer)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Every rank writes its own shards into the directory ``filepath``, published atomically when complete; with
         ``state_dict_type="full"``, rank 0 writes one ordinary file there, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
@@ -318,7 +321,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
-                self.mode.save_directory(checkpoint, self.lightning_module, path)
+                self._checkpointed().save_directory(checkpoint, path)
             case StateDictType.FULL:
                 whole = gathered_checkpoint(checkpoint, self.lightning_module, self.is_global_zero)
                 if self.is_global_zero:
@@ -347,7 +350,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if is_deepspeed_checkpoint(directory):
             deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
             return deepspeed.checkpoint_for(self.lightning_module, optimizers, strict)
-        return self.mode.load_directory(directory, self.lightning_module, lambda _: optimizers, weights_only, strict)
+        return self._checkpointed().load_directory(directory, lambda _: optimizers, weights_only, strict)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -1,0 +1,89 @@
+"""The one road between a front end's live objects and the checkpoint layer, for both front ends and every mode.
+
+The modules of a checkpoint, each with the mode that trains it, are one module to the checkpoint layer: a module alone
+is named as itself (its parameter names, as the Trainer's checkpoints name them); several, as the children of one
+``nn.ModuleDict`` under their names in Fabric's ``state`` (``{"g": generator, "d": discriminator}`` gives ``g.<fqn>``
+and ``d.<fqn>``), so that each optimizer's state is named after the parameters it updates, wherever they live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, save_directory
+from lightning_zero._core.mode import Mode
+from lightning_zero._core.optimizers import as_set_up
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A module as a front end set it up, and the mode that trains it."""
+
+    module: nn.Module
+    mode: Mode
+
+
+class Checkpointed:
+    """The modules of one checkpoint (by their names in it) and, for each optimizer, the mode that set it up."""
+
+    def __init__(self, modules: Mapping[str, Trained], mode_of: Callable[[Optimizer], Mode]) -> None:
+        self.modules = dict(modules)
+        self._mode_of = mode_of
+        if len(self.modules) == 1:
+            self.named_like = next(iter(self.modules.values())).module  # what entries are named after
+        else:
+            self.named_like = nn.ModuleDict({key: trained.module for key, trained in self.modules.items()})
+
+    @classmethod
+    def one(cls, module: nn.Module, mode: Mode) -> Checkpointed:
+        """A module alone, the Trainer's case."""
+        return cls({"": Trained(module, mode)}, lambda _: mode)
+
+    def module_states(self) -> dict[str, dict[str, Any]]:
+        """Each module's entries (see :meth:`Mode.model_entries`) under its name."""
+        return {key: trained.mode.model_entries(trained.module) for key, trained in self.modules.items()}
+
+    def combined(self, states: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """The modules' ``states`` as the state dict of :attr:`named_like`."""
+        if len(self.modules) == 1:
+            return dict(next(iter(states.values()), {}))
+        return {f"{key}.{name}": value for key, state in states.items() for name, value in state.items()}
+
+    def module_state(self) -> dict[str, Any]:
+        """The state dict of :attr:`named_like` for a checkpoint."""
+        return self.combined(self.module_states())
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
+        self._mode_of(optimizer).at_rest()
+        return named_optimizer_state(as_set_up(optimizer), self.named_like)
+
+    def save_directory(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Write Lightning's ``checkpoint``, made of :meth:`module_state` and :meth:`optimizer_state`, as a directory
+        at ``path``, every rank its own shards."""
+        save_directory(checkpoint, self.named_like, path)
+
+    def load_directory(
+        self,
+        path: Path,
+        optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
+        weights_only: bool | None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Load a checkpoint directory into the live modules and the optimizers ``optimizers_for`` names, given what
+        the checkpoint holds beyond the states (none when not fitting); return that. ``weights_only``: the user's,
+        what its pickled files may import; ``strict``: as in ``load_state_dict``."""
+
+        def entries_for(saved: dict[str, Any]) -> list[Any]:
+            return [self._mode_of(o).optimizer_entries(o) for o in optimizers_for(saved)]
+
+        rest = load_directory(path, self.named_like, self.module_state(), entries_for, weights_only, strict)
+        for trained in self.modules.values():
+            trained.mode.after_load()
+        return rest
