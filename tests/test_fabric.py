@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.fabric import Fabric
 
 from lightning_zero import consolidate_checkpoint
 from tests.oracle import BY_PRECISION, FP32, compare_runs

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero._checkpoint.live import OptimizerEntries
 from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
@@ -33,10 +34,14 @@ class EngineMode(Mode):
         # built with the optimizers; after training detached, not dropped: a checkpoint saved then still writes each
         # rank's shards only
         self.engine: ZeroEngine | None = None
+        self._masters_follow: RemovableHandle | None = None  # the module's load_state_dict hook, with the engine
 
     def _place(self, module: nn.Module) -> None:
         self._detach()  # an earlier `fit`'s engine; a new one is built for this one
         self.engine = None
+        if self._masters_follow is not None:
+            self._masters_follow.remove()
+            self._masters_follow = None
         module.to(self.device)
         if dist.get_world_size() > 1:
             sync_from_rank_zero(module, dist.group.WORLD)
@@ -49,6 +54,9 @@ class EngineMode(Mode):
             reducer = reducer_for(self.config.stage)
             mesh, bucket_bytes = self._mesh(), self.config.bucket_bytes
             self.engine = ZeroEngine(module, reducer, mesh, bucket_bytes, dtypes, self.placement)
+            # whatever loads whole tensors into the module (a checkpoint, the user's `load_state_dict`, torch's
+            # `set_model_state_dict`) loads the masters the optimizer steps on too
+            self._masters_follow = module.register_load_state_dict_post_hook(self._masters_from_module)
         assert self.engine is not None
         return [self.engine.shard_optimizer(optimizer) for optimizer in optimizers]
 
@@ -108,9 +116,8 @@ class EngineMode(Mode):
         finally:
             reducer.mode = previous
 
-    def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-        super().load_module_state(module, state_dict, strict)
-        if self.engine is not None:  # training or after it: the masters follow the module
+    def _masters_from_module(self, module: nn.Module, incompatible: Any) -> None:
+        if self.engine is not None:
             self.engine.masters_from_module()
 
     def teardown(self) -> None:
