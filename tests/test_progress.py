@@ -43,8 +43,14 @@ def consolidate(checkpoint: Path, output: Path, *flags: str) -> tuple[str, str]:
     return on_a_terminal([sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags])
 
 
+def child_environment() -> dict[str, str]:
+    """This environment for a child process of its own: without the rendezvous a fit in this process left behind."""
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    return {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONPATH": str(REPO)}
+
+
 def on_a_terminal(argv: list[str]) -> tuple[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_environment()
     controller, attached = pty.openpty()
     fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: 80 columns
     with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=attached) as proc:
@@ -94,3 +100,26 @@ def test_fabric_load_of_a_whole_checkpoint_draws_a_bar_on_a_terminal(checkpoint:
     stdout, drawn = on_a_terminal([sys.executable, "-c", script, str(checkpoint)])
     assert "reading checkpoint: 100%" in drawn, drawn
     assert stdout.startswith("['"), stdout  # the weights came back
+
+
+RESUME = (
+    "import sys; import lightning.pytorch as pl; import lightning_zero;"
+    " from tests.scenarios import MODULE_KWARGS; from tests.workers.modules import Classifier;"
+    " trainer = pl.Trainer(accelerator='cpu', devices=1, strategy='zero2', max_steps=3, logger=False,"
+    " enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False);"
+    " trainer.fit(Classifier(**MODULE_KWARGS), ckpt_path=sys.argv[1]); print(trainer.global_step)"
+)
+
+
+def test_resuming_from_a_directory_draws_a_bar_only_on_a_terminal(checkpoint: Path) -> None:
+    """``Trainer.fit(ckpt_path=DIR)`` loads every rank's shards straight into the live tensors; rank 0 draws the bar
+    of its bytes, on a terminal only."""
+    stdout, drawn = on_a_terminal([sys.executable, "-c", RESUME, str(checkpoint)])
+    assert "loading checkpoint: 100%" in drawn and "\r" in drawn, drawn
+    assert stdout.strip().endswith("3"), stdout  # resumed at step 2, trained one more
+
+    logged = subprocess.run(
+        [sys.executable, "-c", RESUME, str(checkpoint)], cwd=REPO, env=child_environment(),
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "loading checkpoint" not in logged.stderr and "\r" not in logged.stderr, logged.stderr

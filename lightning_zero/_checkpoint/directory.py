@@ -39,7 +39,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
+from lightning_zero import _progress
 from lightning_zero._checkpoint import disk, keys, layout, publish
 from lightning_zero._checkpoint.checksums import (
     CHECKSUM_FILE,
@@ -363,15 +365,30 @@ def check_compatible(target: dict[str, Any], metadata: Metadata, path: Path) -> 
 
 
 def load(
-    target: dict[str, Any], path: Path, metadata: Metadata, unpickling: Unpickling, *, no_dist: bool = False
+    target: dict[str, Any],
+    path: Path,
+    metadata: Metadata,
+    unpickling: Unpickling,
+    *,
+    no_dist: bool = False,
+    progress: bool = False,
 ) -> None:
     """Fill ``target`` (tensors and DTensors laid out for this run) in place from the checkpoint at ``path``, whose
-    ``metadata`` :func:`open_checkpoint` or :func:`read_meta` returned; non-tensor entries load under ``unpickling``."""
-    reader, planner = VerifiedReader(path, metadata), RestrictedLoadPlanner(path, unpickling)
+    ``metadata`` :func:`open_checkpoint` or :func:`read_meta` returned; non-tensor entries load under ``unpickling``.
+    ``progress``: draw a bar of this rank's bytes on a terminal while they load."""
+    total = sum(_local_nbytes(value) for value in target.values() if isinstance(value, torch.Tensor))
     try:
-        dcp.load(target, storage_reader=reader, planner=planner, no_dist=no_dist)
+        with _progress.progress(total, f"loading {path.name}", shown=progress) as advance:
+            reader, planner = VerifiedReader(path, metadata), RestrictedLoadPlanner(path, unpickling, advance)
+            dcp.load(target, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointException as failure:  # DCP gathers every rank's errors; ours say all there is to say
         for error, _ in failure.failures.values():
             if isinstance(error, CheckpointError):
                 raise CheckpointError(str(error)) from None
         raise
+
+
+def _local_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor`` this rank holds (a DTensor's local shard)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()

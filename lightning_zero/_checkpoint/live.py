@@ -88,7 +88,8 @@ def load_directory(
     :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the checkpoint's must match, as in
     ``load_state_dict``."""
     unpickling = Unpickling.from_weights_only(weights_only)
-    meta, metadata, shard_check = ckpt.open_checkpoint(path, Ranks.of_default_group(), unpickling)
+    ranks = Ranks.of_default_group()
+    meta, metadata, shard_check = ckpt.open_checkpoint(path, ranks, unpickling)
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
     # tensors, which a damaged checkpoint leaves to be discarded with the error.
     with shard_check.overlapping():
@@ -100,7 +101,7 @@ def load_directory(
         for target in targets:
             flat.update(target)
         ckpt.check_compatible(flat, metadata, path)
-        ckpt.load(flat, path, metadata, unpickling)
+        ckpt.load(flat, path, metadata, unpickling, progress=ranks.rank == 0)  # a bar on rank 0's terminal
     for index, (entries, target) in enumerate(zip(optimizers, targets, strict=True)):
         groups = meta["param_groups"][index]
         entries.optimizer.load_state_dict(_indexed_state(index, entries.optimizer, module, target, groups, path))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, IntEnum
@@ -263,10 +263,15 @@ class RestrictedLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, except that a non-tensor entry loads under ``unpickling``. The state dict is flat already
     (see :mod:`.directory`), so it is not flattened again."""
 
-    def __init__(self, path: Path, unpickling: Unpickling) -> None:
+    def __init__(self, path: Path, unpickling: Unpickling, advance: Callable[[int], object] = lambda _: None) -> None:
         super().__init__(flatten_state_dict=False)
         self.path = path
         self.unpickling = unpickling
+        self.advance = advance  # told the bytes of each tensor as it lands (a progress bar)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        self.advance(tensor.numel() * tensor.element_size())
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
