@@ -20,13 +20,12 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.nn import functional as F
 
 import lightning_zero.fabric
 from lightning_zero import CheckpointError, Zero3Strategy
 from tests.oracle import full, full_optimizer_state
 from tests.scenarios import read_payload, save_results
-from tests.workers.modules import Classifier
+from tests.workers.modules import Classifier, fabric_step
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it
 BATCH = 8
@@ -48,15 +47,6 @@ def other_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return {k: torch.randn(full(v).shape, generator=gen) for k, v in model.state_dict().items()}
 
 
-def step(fabric: Fabric, model: Any, optimizer: Any, gen: torch.Generator) -> float:
-    x, y = torch.randn(BATCH, 12, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
-    loss = F.cross_entropy(model(x), y)
-    fabric.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
 def evaluate(model: Any) -> None:
     """A forward under ``no_grad``: stage 3 leaves the root unit gathered after it."""
     with torch.no_grad():
@@ -76,11 +66,11 @@ def run(strategy: str, files: Path) -> dict[str, Any]:
     module = Classifier()
     model, optimizer = fabric.setup(module, module.configure_optimizers())
     gen = torch.Generator().manual_seed(100 + fabric.global_rank)
-    record: dict[str, Any] = {"losses": [step(fabric, model, optimizer, gen)]}
+    record: dict[str, Any] = {"losses": [fabric_step(fabric, model, optimizer, gen)]}
 
     def moment(name: str) -> None:
         record[name] = whole_weights(model)
-        record["losses"].append(step(fabric, model, optimizer, gen))
+        record["losses"].append(fabric_step(fabric, model, optimizer, gen))
 
     evaluate(model)
     model.load_state_dict(other_weights(module, 1))

@@ -140,6 +140,16 @@ class Classifier(LightningModule):
         return DataLoader(make_data(n=32, seed=9), batch_size=8)
 
 
+def fabric_step(fabric: Any, model: Any, optimizer: Any, gen: torch.Generator, batch: int = 8) -> float:
+    """One step of a Fabric loop on the classifier (its default sizes), on a batch drawn from ``gen``; the loss."""
+    x, y = torch.randn(batch, 12, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+    loss = nn.functional.cross_entropy(model(x), y)
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 class ManualClassifier(Classifier):
     """Manual optimization: one optimizer, or a generator/discriminator pair stepped alternately with toggling."""
 

@@ -24,12 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.nn import functional as F
 
 from lightning_zero.fabric import Zero2Strategy
 from tests.oracle import full, full_optimizer_state
 from tests.scenarios import read_payload, save_results
-from tests.workers.modules import Classifier
+from tests.workers.modules import Classifier, fabric_step
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it
 BATCH = 8
@@ -51,15 +50,6 @@ def other_state(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     named = {names[i]: entries for i, entries in state["state"].items()}
     groups = [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
     return module.state_dict(), {"state": named, "param_groups": groups}
-
-
-def step(fabric: Fabric, model: Any, optimizer: Any, gen: torch.Generator) -> float:
-    x, y = torch.randn(BATCH, 12, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
-    loss = F.cross_entropy(model(x), y)
-    fabric.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 def whole(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -96,7 +86,8 @@ def run(strategy: str) -> dict[str, Any]:
     model, optimizer = fabric.setup(classifier, torch.optim.Adam(classifier.parameters(), lr=1e-2))
     module, set_up = model.module, optimizer.optimizer  # what the strategy returned
     gen = torch.Generator().manual_seed(100 + fabric.global_rank)
-    record: dict[str, Any] = {"losses": [step(fabric, model, optimizer, gen)], "trained": whole(model, optimizer)}
+    losses = [fabric_step(fabric, model, optimizer, gen)]
+    record: dict[str, Any] = {"losses": losses, "trained": whole(model, optimizer)}
     got = {
         "model": get_model_state_dict(module, options=GATHERED),
         "optimizer": get_optimizer_state_dict(module, set_up, options=GATHERED),
@@ -112,7 +103,7 @@ def run(strategy: str) -> dict[str, Any]:
         # what the optimizer steps on: the fp32 masters where there are, as the strategy saves them
         masters = fabric.strategy.get_module_state_dict(module)
         record[name]["masters"] = {k: full(v).detach().clone() for k, v in masters.items()}
-        record["losses"].append(step(fabric, model, optimizer, gen))
+        record["losses"].append(fabric_step(fabric, model, optimizer, gen))
     return record
 
 
