@@ -76,8 +76,8 @@ class Gan:
         return {"generator": self.g, "critic": self.d, "g_opt": self.g_opt, "d_opt": self.d_opt, "step": 0}
 
     def step(self, gen: torch.Generator) -> tuple[float, float]:
-        """One critic step on real and generated samples, then one generator step through the critic (whose
-        gradients from it are dropped by the next critic step's ``zero_grad``)."""
+        """One critic step on real and generated samples (its gradients clipped), then one generator step through the
+        critic (whose gradients from it are dropped by the next critic step's ``zero_grad``)."""
         real = torch.randn(BATCH, DATA, generator=gen) * 0.5 + 1.0
         fake = self.g(torch.randn(BATCH, NOISE, generator=gen))
         self.d_opt.zero_grad()
@@ -85,6 +85,7 @@ class Gan:
             F.softplus(-self.d(self.features(real))).mean() + F.softplus(self.d(self.features(fake.detach()))).mean()
         )
         self.fabric.backward(d_loss)
+        self.fabric.clip_gradients(self.d, self.d_opt, max_norm=0.5)  # the critic's own norm, as under "ddp"
         self.d_opt.step()
         g_loss = F.softplus(-self.d(self.features(fake))).mean()
         self.fabric.backward(g_loss)
