@@ -12,16 +12,17 @@ Vocabulary:
   ``("memory", "zero2")``.
 - **phase**: what one launch of a sequence-driven worker does (``tests/workers/checkpoints.py``,
   ``checkpoint_faults.py``, ``hybrid.py``): a member of that worker's enum here (:class:`CheckpointPhase`,
-  :class:`FaultPhase`, :class:`HybridPhase`), sent with :func:`run_phase` like a scenario.
+  :class:`FaultPhase`, :class:`HybridPhase`), sent with :func:`run_phase` like a scenario. The launcher's own probe
+  (``launch_probe.py``) takes a :class:`tests.launch.Probe`: it must run without importing torch.
 
-Scenarios are pickled to the workers (:func:`run_scenarios`), so options may hold classes and module-level functions.
+Scenarios and phases are pickled to the workers (:func:`tests.launch.write_payload`), never passed as strings in
+``sys.argv``, so options may hold classes and module-level functions.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -34,9 +35,9 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry as TRAINER_STRATEGIES
 
 import lightning_zero  # noqa: F401  (registers the "zero*" names the specs use)
-from tests.launch import launch
+from tests.launch import launch, write_payload
+from tests.launch import read_payload as read_payload  # the workers' one import for their payload
 
-PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # in a worker; read now: Lightning's teardown removes it
 #: the Trainer options of the workers' runs: nothing logged, printed or saved but what a run asks for
 QUIET: dict[str, Any] = {
@@ -280,15 +281,6 @@ def run_scenarios(
     write_payload(out_dir, scenarios=list(scenarios), **extra)
     launch(worker, [str(out_dir)], world_size)
     return read_results(out_dir, world_size)
-
-
-def write_payload(out_dir: Path, **entries: Any) -> None:
-    """What the workers started on ``out_dir`` read with :func:`read_payload`, pickled."""
-    (out_dir / PAYLOAD).write_bytes(pickle.dumps(entries))
-
-
-def read_payload(out_dir: Path) -> dict[str, Any]:
-    return pickle.loads((out_dir / PAYLOAD).read_bytes())
 
 
 def save_results(out_dir: Path, rank: int, results: Any) -> None:
