@@ -145,6 +145,40 @@ class Scenario(Runs):
     save_with: StrategySpec | None = None
 
 
+UNUSED_OK = "ddp_find_unused_parameters_true"  # DDP needs this where parameters go without gradients
+
+
+def trainer_features(*compared: StrategySpec | str) -> list[Scenario]:
+    """What every stage must match ``"ddp"`` on under a ``Trainer`` (:data:`UNUSED_OK` where parameters go without
+    gradients): optimizers and schedulers, accumulation, clipping, frozen and unused parameters, evaluation, manual
+    optimization; one list for stages 1 and 2 (tests/test_parity.py) and stage 3 (tests/test_zero3.py), so that no
+    stage is held to less."""
+
+    def scenario(name: str, reference: str = "ddp", **fields: Any) -> Scenario:
+        return Scenario(name, strategies=(reference, *compared), **fields)
+
+    return [
+        scenario("adam"),
+        scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
+        scenario("sgd_scheduler_dict", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
+        scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
+        scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
+        scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+        scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+        scenario("frozen", module_kwargs={"freeze_first": True}),
+        scenario("unused_every_other_step", UNUSED_OK, module_kwargs={"unused_branch": True}),
+        scenario(
+            "batchnorm_eval",
+            module_kwargs={"batch_norm": True},
+            limit_val_batches=2,
+            trainer_kwargs={"val_check_interval": 3},
+            after_fit=("validate", "test", "predict"),
+        ),
+        scenario("manual_one", module="manual"),
+        scenario("manual_two_optimizers", UNUSED_OK, module="manual", module_kwargs={"two_optimizers": True}),
+    ]
+
+
 class Setup(enum.Enum):
     """How a Fabric loop sets up its module and optimizer."""
 
