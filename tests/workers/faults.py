@@ -29,7 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_zero import ZeroStrategy
-from tests.scenarios import QUIET, Fault, FaultyRun, read_payload
+from tests.scenarios import Fault, FaultyRun, cpu_trainer, read_payload
 from tests.workers.modules_zero3 import TiedLM
 
 REACHED = 2
@@ -89,17 +89,14 @@ def fit(run: FaultyRun, timeout: float, offload_dir: Path | None, markers: Marke
     offload = {"offload_optimizer": "disk", "offload_dir": offload_dir} if offload_dir is not None else {}
     strategy = ZeroStrategy(stage=int(run.strategy.removeprefix("zero")), timeout=timedelta(seconds=timeout), **offload)
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=10**6,
+    trainer = cpu_trainer(
+        strategy,
+        10**6,
         max_epochs=-1,
         val_check_interval=RAISE_AT,
         limit_val_batches=2 if run.fault is Fault.VALIDATION_STEP else 0,
         num_sanity_val_steps=0,
         callbacks=[markers],
-        **QUIET,
     )
     trainer.fit(FailingLM(run.fault, markers.out))
 
