@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 
 from lightning_zero.memory import ModelStateBytes
 
@@ -172,8 +171,8 @@ def _share(total: int, sharded: bool, num_ranks: int) -> int:
 
 def count_parameters(class_path: str, init_args: dict[str, Any] | None = None) -> tuple[int, int]:
     """(all, trainable) parameters of the module ``class_path(**init_args)``, built on the meta device: no bytes are
-    allocated, so any size can be counted. A LightningModule's ``configure_model`` runs too. Tied parameters count
-    once."""
+    allocated, so any size can be counted. A ``configure_model`` method (a LightningModule's hook) runs too. Tied
+    parameters count once."""
     module_name, _, class_name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
@@ -192,8 +191,10 @@ def count_parameters(class_path: str, init_args: dict[str, Any] | None = None) -
             raise ValueError(
                 f"{class_name}(**{init_args}) failed: {error}. HINT: pass its init arguments as `--NAME VALUE`."
             ) from error
-        if isinstance(module, LightningModule):
-            module.configure_model()
+        # a LightningModule's hook, looked up by name: nothing below the front ends imports lightning.pytorch
+        configure_model = getattr(module, "configure_model", None)
+        if callable(configure_model):
+            configure_model()
     params = list(module.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 

@@ -6,12 +6,18 @@ launcher never waits on one rank at a time: it polls all of them, and once one h
 :data:`GRACE` seconds to end by themselves (ranks that hit the same error together are then all reported with their
 own exit codes) before they are killed, and the error shows every rank's output. Output goes to files, not pipes,
 so a rank that writes a lot never blocks on a full pipe.
+
+What a launch runs travels as a pickled payload in its output directory (:func:`write_payload`,
+:func:`read_payload`), never as strings in ``sys.argv``. They live here, with nothing beyond the standard library, so
+that a worker which must start at once (``tests/workers/launch_probe.py``) can read its payload without importing
+torch or Lightning.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -21,12 +27,13 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE = 3.0  # seconds the other ranks get to end by themselves after the first failure
 POLL = 0.05  # seconds between looks at the ranks
 TAIL = 6000  # characters of each rank's output an error shows
+PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
 
 
 class LaunchError(RuntimeError):
@@ -54,6 +61,23 @@ class RankResult:
     def describe(self) -> str:
         how = f"exit code {self.returncode}" if self.ending is Ending.EXITED else "killed by the launcher"
         return f"--- rank {self.rank} ({how}) ---\n{self.output[-TAIL:]}"
+
+
+class Probe(enum.Enum):
+    """What ``tests/workers/launch_probe.py`` does, for tests/test_launch.py."""
+
+    RANK1_FAILS = "rank1_fails"  # rank 0 waits in the rendezvous, which rank 1 never reaches: it raises
+    ALL_BLOCK = "all_block"  # every rank sleeps far past any test's timeout
+    SUCCEED = "succeed"  # every rank prints a line and exits 0
+
+
+def write_payload(out_dir: Path, **entries: Any) -> None:
+    """What the workers started on ``out_dir`` read with :func:`read_payload`, pickled."""
+    (out_dir / PAYLOAD).write_bytes(pickle.dumps(entries))
+
+
+def read_payload(out_dir: Path) -> dict[str, Any]:
+    return pickle.loads((out_dir / PAYLOAD).read_bytes())
 
 
 def free_port() -> int:

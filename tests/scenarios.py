@@ -10,18 +10,21 @@ Vocabulary:
   (``tests/workers/parity.py``), :class:`FabricScenario` a hand-written Fabric loop (``tests/workers/fabric.py``).
 - **results**: one dict per rank, each run's record under ``(scenario name, strategy label)``, such as
   ``("memory", "zero2")``.
-- **phase**: what one launch of a sequence-driven worker does (``tests/workers/checkpoints.py``,
-  ``checkpoint_faults.py``, ``hybrid.py``): a member of that worker's enum here (:class:`CheckpointPhase`,
-  :class:`FaultPhase`, :class:`HybridPhase`), sent with :func:`run_phase` like a scenario.
+- **phase**: what one launch of a worker does (``tests/workers/checkpoints.py``, ``checkpoint_faults.py``,
+  ``hybrid.py``, ``failed_load.py``, ``shared_memory.py``): a member of that worker's enum here
+  (:class:`CheckpointPhase`, :class:`FaultPhase`, :class:`HybridPhase`, :class:`FailedLoadPhase`,
+  :class:`SharedMemoryCheck`), sent with :func:`run_phase` or :func:`start_phase` like a scenario. The launcher's
+  own probe (``launch_probe.py``) takes a :class:`tests.launch.Probe`: it must run without importing torch.
 
-Scenarios are pickled to the workers (:func:`run_scenarios`), so options may hold classes and module-level functions.
+Scenarios and phases are pickled to the workers (:func:`tests.launch.write_payload`), never passed as strings in
+``sys.argv``, so options may hold classes and module-level functions.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import pickle
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -34,9 +37,9 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry as TRAINER_STRATEGIES
 
 import lightning_zero  # noqa: F401  (registers the "zero*" names the specs use)
-from tests.launch import launch
+from tests.launch import launch, start, write_payload
+from tests.launch import read_payload as read_payload  # the workers' one import for their payload
 
-PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # in a worker; read now: Lightning's teardown removes it
 #: the Trainer options of the workers' runs: nothing logged, printed or saved but what a run asks for
 QUIET: dict[str, Any] = {
@@ -140,6 +143,40 @@ class Scenario(Runs):
     after_fit: tuple[str, ...] = ()
     resume_at: int | None = None
     save_with: StrategySpec | None = None
+
+
+UNUSED_OK = "ddp_find_unused_parameters_true"  # DDP needs this where parameters go without gradients
+
+
+def trainer_features(*compared: StrategySpec | str) -> list[Scenario]:
+    """What every stage must match ``"ddp"`` on under a ``Trainer`` (:data:`UNUSED_OK` where parameters go without
+    gradients): optimizers and schedulers, accumulation, clipping, frozen and unused parameters, evaluation, manual
+    optimization; one list for stages 1 and 2 (tests/test_parity.py) and stage 3 (tests/test_zero3.py), so that no
+    stage is held to less."""
+
+    def scenario(name: str, reference: str = "ddp", **fields: Any) -> Scenario:
+        return Scenario(name, strategies=(reference, *compared), **fields)
+
+    return [
+        scenario("adam"),
+        scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
+        scenario("sgd_scheduler_dict", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
+        scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
+        scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
+        scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+        scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+        scenario("frozen", module_kwargs={"freeze_first": True}),
+        scenario("unused_every_other_step", UNUSED_OK, module_kwargs={"unused_branch": True}),
+        scenario(
+            "batchnorm_eval",
+            module_kwargs={"batch_norm": True},
+            limit_val_batches=2,
+            trainer_kwargs={"val_check_interval": 3},
+            after_fit=("validate", "test", "predict"),
+        ),
+        scenario("manual_one", module="manual"),
+        scenario("manual_two_optimizers", UNUSED_OK, module="manual", module_kwargs={"two_optimizers": True}),
+    ]
 
 
 class Setup(enum.Enum):
@@ -258,6 +295,44 @@ class HybridPhase(enum.Enum):
     RESUME = "resume"  # 2 ranks on one node: each hybrid checkpoint under another stage, fully sharded
 
 
+class FailedLoadPhase(enum.Enum):
+    """The launches of ``tests/workers/failed_load.py``, on 2 ranks under zero2."""
+
+    SAVE = "save"  # a checkpoint of a module of 2 layers
+    LOAD = "load"  # load it into a module of 3, which raises; at exit, report whether that module is still alive
+
+
+class SharedMemoryCheck(enum.Enum):
+    """The launches of ``tests/workers/shared_memory.py``."""
+
+    OPEN = "open"  # the channel opens and leaves nothing in /dev/shm
+    COLLECTIVES = "collectives"  # exact results of every collective, the gather ring's hand-out rule
+    PEER_EXIT = "peer_exit"  # rank 1 exits without a word: rank 0 reports it
+    TIMEOUT = "timeout"  # rank 1 arrives late: rank 0 reports it after the group's timeout
+    CHANNEL_ALONE = "channel_alone"  # rank 1 never comes to the channel's opening: rank 0 waits there, to be killed
+    RING_ALONE = "ring_alone"  # the same in the opening of stage 3's gather ring
+
+
+class Fault(enum.Enum):
+    """Where ``tests/workers/faults.py`` breaks a run; ``RAISE_AT`` there is the step."""
+
+    NONE = "none"  # train until the test stops or kills a rank; no validation, so every collective is this package's
+    TRAINING_STEP = "training_step"  # every rank raises ValueError there
+    VALIDATION_STEP = "validation_step"  # every rank raises ValueError there
+    ON_TRAIN_START = "on_train_start"  # every rank raises ValueError there, before any forward (at step 0)
+    RANK1_STOPS_IN_STEP = "rank1_stops_in_step"  # rank 1 SIGSTOPs itself at the start of training_step
+    RANK1_STOPS_BETWEEN_STEPS = "rank1_stops_between_steps"  # the same once the step has ended
+
+
+@dataclass(frozen=True)
+class FaultyRun:
+    """One ``fit`` of ``tests/workers/faults.py``: the stage-3 test module under ``strategy`` (``"zero1"``,
+    ``"zero2"`` or ``"zero3"``), broken by ``fault``."""
+
+    strategy: str
+    fault: Fault = Fault.NONE
+
+
 def run_phase(
     worker: str, phase: enum.Enum, out_dir: Path, world_size: int, *, paths: Sequence[Path] = (), **launch_options: Any
 ) -> list[str]:
@@ -266,6 +341,22 @@ def run_phase(
     output."""
     write_payload(out_dir, phase=phase, paths=[Path(p) for p in paths])
     return launch(worker, [str(out_dir)], world_size, **launch_options)
+
+
+def start_phase(
+    worker: str,
+    phase: enum.Enum,
+    out_dir: Path,
+    world_size: int,
+    *,
+    logs: Path,
+    paths: Sequence[Path] = (),
+    **entries: Any,
+) -> list[subprocess.Popen[bytes]]:
+    """:func:`run_phase`, the processes left running (:func:`tests.launch.start`, each one's output in
+    ``logs/rank<r>.log``); ``entries`` go into the payload beside the phase."""
+    write_payload(out_dir, phase=phase, paths=[Path(p) for p in paths], **entries)
+    return start(worker, [str(out_dir)], world_size, logs=logs)
 
 
 def run_scenarios(
@@ -280,15 +371,6 @@ def run_scenarios(
     write_payload(out_dir, scenarios=list(scenarios), **extra)
     launch(worker, [str(out_dir)], world_size)
     return read_results(out_dir, world_size)
-
-
-def write_payload(out_dir: Path, **entries: Any) -> None:
-    """What the workers started on ``out_dir`` read with :func:`read_payload`, pickled."""
-    (out_dir / PAYLOAD).write_bytes(pickle.dumps(entries))
-
-
-def read_payload(out_dir: Path) -> dict[str, Any]:
-    return pickle.loads((out_dir / PAYLOAD).read_bytes())
 
 
 def save_results(out_dir: Path, rank: int, results: Any) -> None:

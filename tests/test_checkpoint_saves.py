@@ -24,8 +24,7 @@ import torch
 
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint import publish
-from tests.launch import start
-from tests.scenarios import FaultPhase, write_payload
+from tests.scenarios import FaultPhase, start_phase
 from tests.test_checkpoint_trust import fit_and_save
 from tests.workers.checkpoint_faults import FILE_SIZE_LIMIT, LARGE_HIDDEN, SAVES, saved_tensor
 
@@ -44,8 +43,7 @@ def assert_holds_old_checkpoint(target: Path, weights: dict[str, torch.Tensor], 
 def test_a_write_past_the_file_size_limit_fails_alike_on_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
-    write_payload(tmp_path, phase=FaultPhase.FILE_SIZE_LIMIT, paths=[])
-    procs = start(WORKER, [str(tmp_path)], 2, logs=logs)
+    procs = start_phase(WORKER, FaultPhase.FILE_SIZE_LIMIT, tmp_path, 2, logs=logs)
     codes = [proc.wait(timeout=300) for proc in procs]
     assert codes == [0, 0], [(logs / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
     errors = [json.loads((tmp_path / f"error-rank{rank}.json").read_text()) for rank in range(2)]
@@ -93,8 +91,7 @@ def test_two_live_jobs_saving_to_one_path_both_finish(tmp_path: Path) -> None:
     for job in range(2):
         logs = tmp_path / f"logs{job}"  # also where the job's payload is
         logs.mkdir()
-        write_payload(logs, phase=FaultPhase.SAVE_REPEATEDLY, paths=[tmp_path], job=job)
-        jobs.append(start(WORKER, [str(logs)], 2, logs=logs))
+        jobs.append(start_phase(WORKER, FaultPhase.SAVE_REPEATEDLY, logs, 2, logs=logs, paths=[tmp_path], job=job))
     codes = [[proc.wait(timeout=300) for proc in procs] for procs in jobs]
     outputs = [(tmp_path / f"logs{j}" / f"rank{r}.log").read_text()[-2000:] for j in range(2) for r in range(2)]
     assert codes == [[0, 0], [0, 0]], outputs

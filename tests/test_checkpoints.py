@@ -18,8 +18,8 @@ import torch
 
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero._checkpoint.directory import is_checkpoint_dir, read_meta
-from tests.launch import launch, start
-from tests.scenarios import MODULE_KWARGS, CheckpointPhase, run_phase
+from tests.launch import start
+from tests.scenarios import MODULE_KWARGS, CheckpointPhase, FailedLoadPhase, run_phase, write_payload
 from tests.workers.checkpoints import EPOCH_STEPS, EXACT_STAGES, EXACT_STEPS
 from tests.workers.modules import Classifier
 
@@ -240,6 +240,7 @@ def expect_clean_exits(codes: list[int], outputs: list[str], code: int) -> None:
 
 
 EXIT_LAUNCHES = 2  # of the failing load: the abort came in 2 to 3 launches of 10; the kept objects in every one
+FAILED_LOAD = "tests.workers.failed_load"
 
 
 def test_a_failed_fabric_load_ends_with_its_error_and_nothing_else(tmp_path: Path) -> None:
@@ -248,9 +249,9 @@ def test_a_failed_fabric_load_ends_with_its_error_and_nothing_else(tmp_path: Pat
     every object of the failed load into the last collection of a half-finalized interpreter. Each launch must exit
     with status 1 and the error only, and the failed load's module must be gone once lightning_zero's exit hook has
     run (deterministic, unlike the abort, which is not fixed: see `expect_clean_exits`)."""
-    launch("tests.workers.failed_load", ["save", str(tmp_path)], world_size=2)
-    runs = [run_to_the_end("tests.workers.failed_load", ["load", str(tmp_path)], tmp_path / f"logs{attempt}")
-            for attempt in range(EXIT_LAUNCHES)]
+    run_phase(FAILED_LOAD, FailedLoadPhase.SAVE, tmp_path, world_size=2)
+    write_payload(tmp_path, phase=FailedLoadPhase.LOAD)
+    runs = [run_to_the_end(FAILED_LOAD, [str(tmp_path)], tmp_path / f"logs{n}") for n in range(EXIT_LAUNCHES)]
     for _, outputs in runs:
         for output in outputs:
             assert "CheckpointError: Error(s) in loading state_dict for Sequential" in output

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from tests.launch import start
+from tests.launch import start, write_payload
+from tests.scenarios import Fault, FaultyRun
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -34,11 +35,15 @@ NO_SHM = {"LIGHTNING_ZERO_SHM_DISABLE": "1"}  # the point-to-point exchanges ove
 
 
 def start_runs(
-    runs: list[dict[str, str]], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 60, **spec: Any
+    runs: list[FaultyRun],
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    offload_dir: Path | None = None,
 ) -> list[subprocess.Popen]:
     """Start the runs on 2 ranks, with the strategy's ``timeout`` (long, where the test does not measure it)."""
-    (tmp_path / "spec.json").write_text(json.dumps({"timeout": timeout, "runs": runs, **spec}))
-    return start("tests.workers.faults", [str(tmp_path / "spec.json"), str(tmp_path)], 2, env=env, logs=tmp_path)
+    write_payload(tmp_path, runs=runs, timeout=timeout, offload_dir=offload_dir)
+    return start("tests.workers.faults", [str(tmp_path)], 2, env=env, logs=tmp_path)
 
 
 def wait_until_trained(procs: list[subprocess.Popen], tmp_path: Path) -> None:
@@ -103,8 +108,8 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
     """SIGSTOP rank 1 mid-training, from the test at any moment, or by itself between two steps: rank 0 reports it, by
     rank and timeout, once ``timeout`` has passed, and exits. Between steps rank 0 first waits in Lightning's broadcast
     of a SIGTERM flag, whose timeout Lightning swallows: rank 0 still reports after one ``timeout``, not two."""
-    fault = "none" if when == "anywhere" else "rank1_stops_between_steps"
-    procs = start_runs([{"strategy": strategy, "fault": fault}], tmp_path, env, timeout=TIMEOUT)
+    fault = Fault.NONE if when == "anywhere" else Fault.RANK1_STOPS_BETWEEN_STEPS
+    procs = start_runs([FaultyRun(strategy, fault)], tmp_path, env, timeout=TIMEOUT)
     try:
         if when == "anywhere":
             wait_until_trained(procs, tmp_path)
@@ -136,7 +141,7 @@ def test_a_killed_peer_is_reported_under_zero3(env: dict | None, tmp_path: Path)
     """SIGKILL rank 1 at the start of a stage-3 training step (it stopped itself there), while rank 0 waits in the
     step's forward with its units gathered: rank 0's error is the dead peer, within about a second, and nothing fails
     in the teardown that follows."""
-    procs = start_runs([{"strategy": "zero3", "fault": "rank1_stops_in_step"}], tmp_path, env)
+    procs = start_runs([FaultyRun("zero3", Fault.RANK1_STOPS_IN_STEP)], tmp_path, env)
     try:
         wait_until_rank1_stopped(procs, tmp_path)
         procs[1].kill()
@@ -161,8 +166,8 @@ def test_the_users_exception_surfaces_under_every_stage(tmp_path: Path) -> None:
     a fresh Trainer and module per run), then in ``on_train_start`` (before any forward, where a failed resume raises)
     and in ``validation_step`` under stage 3: the ``ValueError`` is what leaves ``fit``, with nothing raised while
     handling it and no warning of the package's own cleanup, and the process ends with it."""
-    runs = [{"strategy": s, "fault": "training_step"} for s in ("zero1", "zero2", "zero3")]
-    runs += [{"strategy": "zero3", "fault": fault} for fault in ("on_train_start", "validation_step")]
+    runs = [FaultyRun(s, Fault.TRAINING_STEP) for s in ("zero1", "zero2", "zero3")]
+    runs += [FaultyRun("zero3", fault) for fault in (Fault.ON_TRAIN_START, Fault.VALIDATION_STEP)]
     procs = start_runs(runs, tmp_path)
     try:
         for rank, proc in enumerate(procs):
@@ -172,11 +177,11 @@ def test_the_users_exception_surfaces_under_every_stage(tmp_path: Path) -> None:
     assert [proc.returncode for proc in procs] == [1, 1]  # the last run's ValueError ended each process
     for rank in range(2):
         errors = ended(tmp_path, rank)
-        where = [f"{run['strategy']} {run['fault']}" for run in runs]
+        where = [f"{run.strategy} {run.fault.value}" for run in runs]
         assert [(w, e["type"]) for w, e in zip(where, errors, strict=True)] == [(w, "ValueError") for w in where]
         for run, error in zip(runs, errors, strict=True):
-            step = 0 if run["fault"] == "on_train_start" else 3
-            assert error["message"] == f"deliberate failure in {run['fault']} at step {step}"
+            step = 0 if run.fault is Fault.ON_TRAIN_START else 3
+            assert error["message"] == f"deliberate failure in {run.fault.value} at step {step}"
             assert "During handling of the above exception" not in error["traceback"], error["traceback"]
         assert "could not reshard" not in log(tmp_path, rank)
         last_line = log(tmp_path, rank).strip().splitlines()[-1]
@@ -187,7 +192,7 @@ def test_a_killed_disk_offload_run_leaves_nothing_in_offload_dir(tmp_path: Path)
     """SIGKILL both ranks of a run whose optimizer state lives in files under ``offload_dir``: nothing stays there."""
     offload_dir = tmp_path / "offload"
     offload_dir.mkdir()
-    procs = start_runs([{"strategy": "zero2", "fault": "none"}], tmp_path, offload_dir=str(offload_dir))
+    procs = start_runs([FaultyRun("zero2")], tmp_path, offload_dir=offload_dir)
     try:
         wait_until_trained(procs, tmp_path)
         for proc in procs:  # the state is in files there, mapped by the rank

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import GRACE, LaunchError, launch
+from tests.launch import GRACE, LaunchError, Probe
+from tests.scenarios import run_phase
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -28,7 +29,7 @@ def test_a_failing_rank_stops_the_blocked_ones(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match=r"(?s)processes failed \[\(1, 1\)\]; ranks \[0\] were killed.*"
                        r"--- rank 0 \(killed by the launcher\) ---.*--- rank 1 \(exit code 1\) ---.*"
                        r"RuntimeError: rank 1 gives up at once"):  # fmt: skip
-        launch(PROBE, ["rank1_fails", str(tmp_path)], world_size=2, timeout=300)
+        run_phase(PROBE, Probe.RANK1_FAILS, tmp_path, world_size=2, timeout=300)
     assert time.monotonic() - start < GRACE + 20
     assert_gone(tmp_path / "rank0.pid")
 
@@ -36,11 +37,11 @@ def test_a_failing_rank_stops_the_blocked_ones(tmp_path: Path) -> None:
 def test_ranks_past_the_timeout_are_killed(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running after 2 s, and were killed"):
-        launch(PROBE, ["all_block", str(tmp_path)], world_size=2, timeout=2)
+        run_phase(PROBE, Probe.ALL_BLOCK, tmp_path, world_size=2, timeout=2)
     assert time.monotonic() - start < 15
     for rank in range(2):
         assert_gone(tmp_path / f"rank{rank}.pid")
 
 
 def test_outputs_of_a_successful_launch(tmp_path: Path) -> None:
-    assert launch(PROBE, ["succeed", str(tmp_path)], world_size=3) == [f"rank {r} done\n" for r in range(3)]
+    assert run_phase(PROBE, Probe.SUCCEED, tmp_path, world_size=3) == [f"rank {r} done\n" for r in range(3)]

@@ -11,45 +11,27 @@ import pytest
 import torch
 
 from tests.oracle import compare_runs, shard_numels
-from tests.scenarios import Scenario, StrategySpec, run_scenarios
+from tests.scenarios import Scenario, StrategySpec, run_scenarios, trainer_features
 from tests.workers.modules import Classifier
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 ZERO = (StrategySpec("zero1"), StrategySpec("zero2"))
-UNUSED_OK = "ddp_find_unused_parameters_true"  # DDP needs this where parameters go without gradients
 
 
-def scenario(name: str, reference: str = "ddp", **fields: Any) -> Scenario:
-    return Scenario(name, strategies=(reference, *ZERO), **fields)
+def scenario(name: str, **fields: Any) -> Scenario:
+    return Scenario(name, strategies=("ddp", *ZERO), **fields)
 
 
 SCENARIOS = [
-    scenario("adam"),
-    scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
-    scenario("sgd_scheduler_dict", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
+    *trainer_features(*ZERO),
     scenario("scheduler_lists", module_kwargs={"scheduler": "step", "config_style": "list"}),
-    scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
-    scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
-    scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
-    scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
-    scenario("frozen", module_kwargs={"freeze_first": True}),
-    scenario("unused_every_other_step", reference=UNUSED_OK, module_kwargs={"unused_branch": True}),
-    scenario(
-        "batchnorm_eval",
-        module_kwargs={"batch_norm": True},
-        limit_val_batches=2,
-        trainer_kwargs={"val_check_interval": 3},
-        after_fit=("validate", "test", "predict"),
-    ),
     scenario("memory", module_kwargs={"hidden": 256}, max_steps=2),
     # Save at step 12 (an epoch end on 2 and on 3 ranks), resume in a fresh Trainer and module, compare with DDP
     # doing the same: model, optimizer state, scheduler and loop progress all went through the checkpoint.
     scenario("resume", module_kwargs={"scheduler": "step", "config_style": "dict"}, resume_at=12, max_steps=14),
     # An ordinary DDP checkpoint resumed under each stage.
     scenario("resume_from_ddp", resume_at=12, max_steps=14, save_with=StrategySpec("ddp")),
-    scenario("manual_one", module="manual"),
-    scenario("manual_two_optimizers", reference=UNUSED_OK, module="manual", module_kwargs={"two_optimizers": True}),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 

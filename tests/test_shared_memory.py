@@ -16,24 +16,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import launch, start
 from tests.oracle import compare_runs
-from tests.scenarios import Scenario, run_scenarios
+from tests.scenarios import Scenario, SharedMemoryCheck, run_phase, run_scenarios, start_phase
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 
-def run_checks(check: str, world_size: int, tmp_path: Path) -> list[list[str] | None]:
+WORKER = "tests.workers.shared_memory"
+
+
+def run_checks(check: SharedMemoryCheck, world_size: int, tmp_path: Path) -> list[list[str] | None]:
     """Each rank's passed checks; None for a rank that wrote none (one that exits on purpose)."""
     tmp_path.mkdir(exist_ok=True)
-    launch("tests.workers.shared_memory", [str(tmp_path), check], world_size, timeout=120)
+    run_phase(WORKER, check, tmp_path, world_size, timeout=120)
     files = [tmp_path / f"rank{r}.json" for r in range(world_size)]
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_are_exact_and_the_ring_is_handed_out_safely(world_size: int, tmp_path: Path) -> None:
-    passed = run_checks("collectives", world_size, tmp_path)
+    passed = run_checks(SharedMemoryCheck.COLLECTIVES, world_size, tmp_path)
     expected = [
         "opened, nothing left in /dev/shm",
         "all_gather, reduce_scatter, all_reduce: every dtype and size, several pieces",
@@ -45,12 +47,12 @@ def test_collectives_are_exact_and_the_ring_is_handed_out_safely(world_size: int
 
 
 def test_a_peer_that_exits_is_reported_not_waited_for(tmp_path: Path) -> None:
-    passed = run_checks("peer_exit", 2, tmp_path)
+    passed = run_checks(SharedMemoryCheck.PEER_EXIT, 2, tmp_path)
     assert passed[0] == ["a peer that exits is reported"]
 
 
 def test_a_rank_that_never_arrives_is_reported_after_the_timeout(tmp_path: Path) -> None:
-    passed = run_checks("timeout", 2, tmp_path)
+    passed = run_checks(SharedMemoryCheck.TIMEOUT, 2, tmp_path)
     assert passed[0] == ["a rank that never arrives is reported after the timeout"]
 
 
@@ -70,30 +72,30 @@ def test_ranks_killed_while_shared_memory_opens_leave_nothing_after_the_next_run
     segment and FIFO (the channel's opening), or stage 3's gather ring, and waits for rank 1, which never comes. The
     files stay behind; the next run's channel removes them, their creator being dead, and leaves nothing of its own.
     A run that opens while those ranks are still alive removes nothing of theirs."""
-    windows = {"channel": {".seg", ".fifo"}, "ring": {".ring"}}  # each window's files
+    # each window's files
+    windows = {SharedMemoryCheck.CHANNEL_ALONE: {".seg", ".fifo"}, SharedMemoryCheck.RING_ALONE: {".ring"}}
     procs = {}
     for window in windows:
-        (tmp_path / window).mkdir()
-        procs[window] = start("tests.workers.shared_memory", [str(tmp_path / window), f"{window}_alone"], 2,
-                              logs=tmp_path / window)
+        (tmp_path / window.value).mkdir()
+        procs[window] = start_phase(WORKER, window, tmp_path / window.value, 2, logs=tmp_path / window.value)
     try:
         deadline = time.monotonic() + 60
-        held: dict[str, set[Path]] = {window: set() for window in windows}
+        held: dict[SharedMemoryCheck, set[Path]] = {window: set() for window in windows}
         while any({path.suffix for path in held[w]} != suffixes for w, suffixes in windows.items()):
             for window, (rank_0, _) in procs.items():
                 running = time.monotonic() < deadline and rank_0.poll() is None
-                assert running, (tmp_path / window / "rank0.log").read_text()
+                assert running, (tmp_path / window.value / "rank0.log").read_text()
                 held[window] = named_shared_files(rank_0.pid)
             time.sleep(0.05)
         left = set().union(*held.values())
-        assert run_checks("open", 2, tmp_path / "beside") == [["opened, nothing left in /dev/shm"]] * 2
+        assert run_checks(SharedMemoryCheck.OPEN, 2, tmp_path / "beside") == [["opened, nothing left in /dev/shm"]] * 2
         assert all(path.exists() for path in left), "a live run's files were removed"
     finally:
         for proc in [p for pair in procs.values() for p in pair]:
             proc.kill()
             proc.wait()
     assert all(path.exists() for path in left), left  # what the kills left
-    assert run_checks("open", 2, tmp_path / "next") == [["opened, nothing left in /dev/shm"]] * 2
+    assert run_checks(SharedMemoryCheck.OPEN, 2, tmp_path / "next") == [["opened, nothing left in /dev/shm"]] * 2
     assert not [path for path in left if path.exists()]
 
 

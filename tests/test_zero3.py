@@ -31,10 +31,9 @@ from lightning_zero._wrap import (
 )
 from tests.launch import launch
 from tests.oracle import FP32, close, compare_optimizer_states
-from tests.scenarios import Scenario, StrategySpec, run_scenarios
+from tests.scenarios import Scenario, StrategySpec, run_scenarios, trainer_features
 from tests.workers.modules_zero3 import Block, TiedLM, blocks_only
 
-UNUSED_OK = "ddp_find_unused_parameters_true"
 CHECKPOINTED = {"activation_checkpointing": True}
 VARIANTS = [
     StrategySpec("zero3"),
@@ -70,24 +69,7 @@ SCENARIOS = [
         max_steps=3,
     ),
     # everything in the root unit: a 0-dim parameter (replicated), a parameter with fewer rows than ranks
-    scenario("adam"),
-    scenario("sgd_scheduler", module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"}),
-    scenario("param_groups", module_kwargs={"optimizer": "adamw_groups", "config_style": "list"}),
-    scenario("lars_trust_ratio", module_kwargs={"optimizer": "lars"}),
-    scenario("accumulate", trainer_kwargs={"accumulate_grad_batches": 3}, max_steps=4),
-    scenario("clip_norm", trainer_kwargs={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
-    scenario("clip_value", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
-    scenario("frozen", module_kwargs={"freeze_first": True}),
-    scenario("unused_every_other_step", strategies=[UNUSED_OK, "zero3"], module_kwargs={"unused_branch": True}),
-    scenario(
-        "batchnorm_eval",
-        module_kwargs={"batch_norm": True},
-        limit_val_batches=2,
-        trainer_kwargs={"val_check_interval": 3},
-        after_fit=("validate", "test", "predict"),
-    ),
-    scenario("manual_one", "manual"),
-    scenario("manual_two_optimizers", "manual", [UNUSED_OK, "zero3"], module_kwargs={"two_optimizers": True}),
+    *trainer_features("zero3"),
     # checkpoints: saved at step 4, resumed in a fresh Trainer and module, compared with the same under DDP
     scenario("resume", "tied_lm", module_kwargs={"scheduler": True}, resume_at=4, max_steps=6),
     scenario("resume_from_ddp_file", "tied_lm", resume_at=4, max_steps=6, save_with=StrategySpec("ddp")),

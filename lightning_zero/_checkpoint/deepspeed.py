@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import lightning
 import torch
 from torch import nn
 
@@ -153,8 +153,9 @@ def read_deepspeed_checkpoint(path: Path, unpickling: Unpickling) -> DeepSpeedCh
     rest = {k: v for k, v in first.items() if k not in _ENGINE_KEYS}
     if "lr_schedulers" not in rest:  # DeepSpeed's own engine keeps the one scheduler it was given, if any
         rest["lr_schedulers"] = [] if first.get("lr_scheduler") is None else [first["lr_scheduler"]]
-    # a checkpoint of DeepSpeed's own engine: Lightning reads it as one of its own version, with no loop state
-    rest.setdefault("pytorch-lightning_version", lightning.__version__)
+    # a checkpoint of DeepSpeed's own engine: Lightning reads it as one of its own version, with no loop state (the
+    # installed version, from the package's metadata: `import lightning` imports both front ends)
+    rest.setdefault("pytorch-lightning_version", version("lightning"))
     return DeepSpeedCheckpoint(path, state_dict, {"state": state, "param_groups": groups}, frozen, rest)
 
 

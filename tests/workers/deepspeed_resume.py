@@ -3,7 +3,6 @@ and their consolidated files under ``"ddp"``, 3 steps each; ``argv``: the output
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ from lightning_zero._checkpoint.keys import module_names
 from tests.fixtures.deepspeed.make_fixtures import CASES, checkpoint_path
 from tests.fixtures.deepspeed.model import FixtureModel
 from tests.oracle import full, full_optimizer_state
+from tests.scenarios import cpu_trainer
 
-WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it from the environment
 MORE_STEPS = 3
 # (label, strategy, fixture): each fixture saved at 3 ranks, resumed at 2 under another stage (or the same, for
 # Lightning's directory with its loop and scheduler state)
@@ -61,11 +60,7 @@ def save_rank0(obj: Any, path: Path) -> None:
 def fit(strategy: str, case: str, ckpt_path: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
     pl.seed_everything(0)
     steps = MORE_STEPS + (3 if CASES[case].lightning else 0)  # a Lightning checkpoint resumes its global step
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-        limit_val_batches=0,
-    )  # fmt: skip
+    trainer = cpu_trainer(strategy, steps, callbacks=callbacks, limit_val_batches=0)
     trainer.fit(FixtureModel(**CASES[case].model), ckpt_path=ckpt_path)
     return trainer
 
@@ -77,8 +72,7 @@ def main() -> None:
         save_rank0(named_state(trainer), out / f"{label}-final.pt")
         trainer = fit("ddp", case, out / f"{case}.ckpt", [])
         save_rank0(named_state(trainer), out / f"ddp-{label}-final.pt")
-    validator = pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="zero3", logger=False,
-                           enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)  # fmt: skip
+    validator = cpu_trainer("zero3", limit_val_batches=1)
     model = FixtureModel(**CASES[VALIDATED].model)
     validator.validate(model, ckpt_path=checkpoint_path(VALIDATED))
     save_rank0({n: full(p).detach().clone() for n, p in model.named_parameters()}, out / "validated.pt")

@@ -31,6 +31,7 @@ from tests.scenarios import (
     Setup,
     Source,
     StrategySpec,
+    cpu_trainer,
     read_payload,
     save_results,
 )
@@ -194,10 +195,7 @@ class Loaded(pl.Callback):
 
 def trainer_for(strategy: StrategySpec, **kwargs: Any) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    return pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=strategy.for_trainer(), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )  # fmt: skip
+    return cpu_trainer(strategy.for_trainer(), **kwargs)
 
 
 def checkpoint_path(checkpoints: Path, resume: Resume) -> Path:

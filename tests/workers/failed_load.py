@@ -1,6 +1,5 @@
 """Runs inside each of 2 processes (started by tests/launch.py) for tests/test_checkpoints.py's exit after a failed
-``fabric.load``; ``argv``: phase (``save``: a zero2 checkpoint of a module; ``load``: load it into a module with one
-layer more, which raises), dir.
+``fabric.load``; ``argv``: the directory, whose payload names the :class:`~tests.scenarios.FailedLoadPhase` to run.
 
 At exit, after lightning_zero's exit hook, it prints whether the module of the failed load is still alive: the
 traceback of an uncaught exception keeps its frames to the end of interpreter finalization unless that hook lets go.
@@ -29,6 +28,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_zero  # noqa: E402, F401
+from tests.scenarios import FailedLoadPhase, read_payload  # noqa: E402
 
 
 def set_up(layers: int) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
@@ -47,12 +47,13 @@ def load_into_a_larger_module(path: Path) -> None:
 
 
 def main() -> None:
-    phase, out = sys.argv[1], Path(sys.argv[2])
-    if phase == "save":
-        fabric, model, optimizer = set_up(2)
-        fabric.save(out / "checkpoint", {"model": model, "optimizer": optimizer})
-    else:
-        load_into_a_larger_module(out / "checkpoint")
+    out = Path(sys.argv[1])
+    match read_payload(out)["phase"]:
+        case FailedLoadPhase.SAVE:
+            fabric, model, optimizer = set_up(2)
+            fabric.save(out / "checkpoint", {"model": model, "optimizer": optimizer})
+        case FailedLoadPhase.LOAD:
+            load_into_a_larger_module(out / "checkpoint")
 
 
 if __name__ == "__main__":

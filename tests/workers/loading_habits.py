@@ -24,7 +24,7 @@ from torch import nn
 import lightning_zero.fabric
 from lightning_zero import CheckpointError, Zero3Strategy
 from tests.oracle import full, full_optimizer_state
-from tests.scenarios import read_payload, save_results
+from tests.scenarios import cpu_trainer, read_payload, save_results
 from tests.workers.modules import Classifier, fabric_step
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it
@@ -186,11 +186,14 @@ def best_model_path(directory: Path, kind: str) -> str:
     """Fit the classifier under stage 3 writing ``kind`` checkpoints with ``ModelCheckpoint``; its best one's path."""
     pl.seed_everything(0, verbose=False)
     checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD_SIZE, strategy=Zero3Strategy(state_dict_type=kind), max_epochs=2,
-        limit_train_batches=3, limit_val_batches=2, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        Zero3Strategy(state_dict_type=kind),
+        max_epochs=2,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,  # QUIET turns it off; the ModelCheckpoint above needs it
+    )
     trainer.fit(Classifier())
     return checkpoint.best_model_path
 

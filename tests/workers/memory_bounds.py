@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.memory import engine_of
+from tests.scenarios import cpu_trainer
 from tests.workers.modules import Classifier
 
 
@@ -33,11 +34,7 @@ def main() -> None:
     for stage in (1, 2):
         pl.seed_everything(0)
         probe = PoolProbe()
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, bucket_cap_mb=0.001), max_steps=4,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[probe],
-        )  # fmt: skip
+        trainer = cpu_trainer(ZeroStrategy(stage=stage, bucket_cap_mb=0.001), 4, callbacks=[probe])
         trainer.fit(Classifier(hidden=64))
         buckets = len(engine_of(trainer.strategy).reducer.buckets)
         results[stage] = {"retained": probe.retained, "largest_bucket": probe.largest_bucket, "buckets": buckets}

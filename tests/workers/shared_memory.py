@@ -1,7 +1,8 @@
 """Runs inside each of N processes (started by tests/launch.py): checks the shared-memory collectives against gloo's
 own and against sums computed from every rank's data, then writes the names of the checks that passed.
 
-``python -m tests.workers.shared_memory OUT open|collectives|peer_exit|timeout|channel_alone|ring_alone``
+``python -m tests.workers.shared_memory OUT``, the payload in ``OUT`` naming the
+:class:`~tests.scenarios.SharedMemoryCheck` to run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import shared_memory
 from lightning_zero._transport.shm_files import PREFIX, Creator
+from tests.scenarios import SharedMemoryCheck, read_payload
 
 SIZES = [1, 7, 1000, shared_memory.SLOT_BYTES // 4 + 13, 3 * shared_memory.SLOT_BYTES // 8 + 5]  # up to 3 pieces
 
@@ -163,41 +165,42 @@ def leftovers(pids: list[int]) -> list[str]:
     return [name for name in entries if (creator := Creator.of(name, PREFIX)) is None or creator.pid in pids]
 
 
-def check_opening_alone(group: dist.ProcessGroup, window: str) -> None:
-    """Rank 1 never comes to the channel's opening (``window="channel"``) or the gather ring's (``"ring"``): rank 0
-    creates its files and waits, for the test to kill it there."""
-    if window == "ring":
+def check_opening_alone(group: dist.ProcessGroup, ring: bool) -> None:
+    """Rank 1 never comes to the channel's opening (or, with ``ring``, the gather ring's): rank 0 creates its files
+    and waits, for the test to kill it there."""
+    if ring:
         assert shared_memory.channel(group) is not None
     if group.rank() == 1:
         time.sleep(120)
     channel = shared_memory.channel(group)
-    if window == "ring":
+    if ring:
         assert channel is not None
         channel.open_gather_ring(2**20)
 
 
-def main(out: Path, check: str) -> None:
+def main(out: Path) -> None:
+    check = read_payload(out)["phase"]
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     assert group is not None
     passed: list[str] = []
     match check:
-        case "open":
+        case SharedMemoryCheck.OPEN:
             check_open(group, passed)
-        case "collectives":
+        case SharedMemoryCheck.COLLECTIVES:
             check_open(group, passed)
             check_collectives(group, passed)
             check_gather_ring(group, passed)
-        case "peer_exit":
+        case SharedMemoryCheck.PEER_EXIT:
             check_peer_exit(group, passed)
-        case "timeout":
+        case SharedMemoryCheck.TIMEOUT:
             check_timeout(group, passed)
-        case "channel_alone" | "ring_alone":
-            check_opening_alone(group, check.removesuffix("_alone"))
+        case SharedMemoryCheck.CHANNEL_ALONE | SharedMemoryCheck.RING_ALONE:
+            check_opening_alone(group, ring=check is SharedMemoryCheck.RING_ALONE)
     (out / f"rank{group.rank()}.json").write_text(json.dumps(passed))
     sys.stdout.flush()
     os._exit(0)  # a peer may be gone: skip gloo's teardown
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]))
