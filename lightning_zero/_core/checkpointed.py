@@ -13,10 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import load_directory, named_optimizer_state, save_directory
+from lightning_zero._checkpoint.live import (
+    load_directory,
+    load_full_optimizer_state,
+    named_optimizer_state,
+    save_directory,
+)
 from lightning_zero._core.mode import Mode
 from lightning_zero._core.optimizers import as_set_up
 
@@ -87,3 +93,19 @@ class Checkpointed:
         for trained in self.modules.values():
             trained.mode.after_load()
         return rest
+
+    def load_module_state(self, state_dict: dict[str, Any], strict: bool) -> None:
+        """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over) into
+        the modules at rest: each rank keeps what it holds of each (stage 3: its rows, by a hook of the sharded module;
+        stages 1 and 2 load the masters too, by a hook of the engine), ``strict`` as in ``load_state_dict``."""
+        for trained in self.modules.values():
+            trained.mode.at_rest()
+        self.named_like.load_state_dict(state_dict, strict=strict)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
+        shards of it, on the device unless they are offloaded."""
+        mode = self._mode_of(optimizer)
+        load_full_optimizer_state(mode.optimizer_entries(optimizer), state_dict)
+        if mode.placement.state_on_device:  # offloaded state stays where the loader put it
+            _optimizer_to_device(as_set_up(optimizer), mode.device)

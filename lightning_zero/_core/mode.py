@@ -13,7 +13,9 @@ Vocabulary:
   ``before_step`` (Fabric: before every forward), ``run_step`` (Trainer only), ``no_sync`` around the backward passes
   of an accumulation window but the last, ``check_loss``, ``after_backward`` and ``optimizer_step``;
   ``before_evaluation`` before an evaluation loop and ``at_rest`` when a loop ends (Trainer only); the state calls
-  for checkpoints; ``settle_after_failure`` after an exception (Trainer only); ``teardown``.
+  for checkpoints, through :class:`~lightning_zero._core.checkpointed.Checkpointed`; ``settle_after_failure`` after
+  an exception (Trainer only); ``teardown``. Fabric sets up several modules, each with a mode of its own
+  (:meth:`Mode.sibling`).
 - **at rest**: the module holds exactly what the optimizers update (stage 3's gathered units freed), which is what
   checkpoints name.
 - **life cycle**: :class:`LifeCycle`, moved by ``setup_module``, ``setup_optimizers`` and ``teardown`` alone; a
@@ -35,12 +37,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._checkpoint.live import OptimizerEntries, load_full_optimizer_state
+from lightning_zero._checkpoint.live import OptimizerEntries
 from lightning_zero._config import ZeroConfig
 from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.loss_scaler import LossScaler
@@ -200,19 +201,6 @@ class Mode:
         """Whether ``optimizer`` was built on ``module``'s parameters (this mode placed ``module``)."""
         params = {id(p) for p in module.parameters()}
         return any(id(p) in params for group in as_set_up(optimizer).param_groups for p in group["params"])
-
-    def load_module_state(self, module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-        """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over): each
-        rank keeps what it holds of each (stage 3: its rows, see ``ShardedModule``)."""
-        self.at_rest()
-        module.load_state_dict(state_dict, strict=strict)
-
-    def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
-        shards of it, on the device unless they are offloaded."""
-        load_full_optimizer_state(self.optimizer_entries(optimizer), state_dict)
-        if self.placement.state_on_device:  # offloaded state stays where the loader put it
-            _optimizer_to_device(as_set_up(optimizer), self.device)
 
     # --- the end ----------------------------------------------------------------------------------------------------
 

@@ -297,11 +297,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     ) -> None:
         """Load the whole tensors of an ordinary checkpoint (read from ``source``) into the modules and optimizers of
         ``state``."""
-        for key, module_state in parts.pop_module_states(checkpoint, source).items():
-            trained = checkpointed.modules[key]
-            trained.mode.load_module_state(trained.module, module_state, strict)
+        module_states = parts.pop_module_states(checkpoint, source)
+        checkpointed.load_module_state(checkpointed.combined(module_states), strict)
         for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
-            self._trained_with(state[key]).mode.load_optimizer_state(state[key], optimizer_state)
+            checkpointed.load_optimizer_state(state[key], optimizer_state)
 
     def _load_raw(
         self,
@@ -322,7 +321,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if isinstance(target, nn.Module):
             self.load_module_state_dict(target, raw_module_state(contents), strict)
         else:
-            self._trained_with(target).mode.load_optimizer_state(target, contents)
+            trained = self._trained_with(target)
+            Checkpointed.one(trained.module, trained.mode).load_optimizer_state(target, contents)
 
     def _read_file(self, source: Path, weights_only: bool | None) -> Any:
         """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
@@ -335,11 +335,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return self._mode_of(module).model_entries(module)
+        return Checkpointed.one(module, self._mode_of(module)).module_state()
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        self._mode_of(module).load_module_state(module, state_dict, strict)
+        Checkpointed.one(module, self._mode_of(module)).load_module_state(state_dict, strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -357,7 +357,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if "state_dict" not in checkpoint:  # absent when a checkpoint directory was loaded in place
             return
         assert self.lightning_module is not None
-        self.mode.load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
+        self._checkpointed().load_module_state(checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -365,7 +365,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if not states:  # a checkpoint directory was loaded in place
             return
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            self.mode.load_optimizer_state(optimizer, state)
+            self._checkpointed().load_optimizer_state(optimizer, state)
 
     @contextmanager
     @override
