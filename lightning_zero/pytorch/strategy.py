@@ -356,7 +356,6 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # absent when a checkpoint directory was loaded in place
             return
-        assert self.lightning_module is not None
         self._checkpointed().load_module_state(checkpoint["state_dict"], strict)
 
     @override
