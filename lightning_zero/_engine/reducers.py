@@ -12,8 +12,8 @@ Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.gr
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
-from functools import partial
 
 import torch
 from torch.autograd import Variable
@@ -86,6 +86,25 @@ class Bucket:
         self.streamed = False
 
 
+class GradReady:
+    """A parameter's post-accumulate-grad hook: hands its gradient to the reducer, held weakly. torch's garbage
+    collector does not see the references of these hooks, so a reducer they held would make a cycle with its
+    parameters that is never collected, keeping buckets, sharded tensors, their mesh and its process groups (with
+    gloo's threads) alive to the interpreter's end when the engine is dropped without being detached (a failed load)."""
+
+    __slots__ = ("_index", "_position", "_reducer")
+
+    def __init__(self, reducer: GradientReducer, position: int, index: int) -> None:
+        self._reducer = weakref.ref(reducer)
+        self._position = position  # the bucket's: the hook holds no bucket, which holds the parameters
+        self._index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer._on_grad_ready(reducer.buckets[self._position], self._index, param)
+
+
 class GradientReducer:
     """Reduces gradients across ranks in buckets, overlapping communication with the rest of backward."""
 
@@ -124,7 +143,7 @@ class GradientReducer:
         for bucket in self.buckets:
             self._build(bucket)
             for index, sharded in enumerate(bucket.params):
-                hook = partial(self._on_grad_ready, bucket, index)
+                hook = GradReady(self, bucket.position, index)
                 self._handles.append(sharded.param.register_post_accumulate_grad_hook(hook))
         if to_host:
             self._give_host_grads([b for b in self.buckets if any(s.grad_to_host for s in b.params)])

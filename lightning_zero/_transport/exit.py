@@ -1,4 +1,12 @@
-"""Closing the package's communication before the interpreter exits."""
+"""Closing the package's communication before the interpreter exits.
+
+A gloo process group runs its collectives on threads of its own, joined only when the group itself is destroyed,
+which ``destroy_process_group`` does not do while anything still refers to the group. Such a thread that finishes a
+collective drops the work's tensors, which takes the GIL; if the interpreter is finalizing by then, Python ends the
+thread in the middle of a C++ destructor, and the process aborts ("terminate called without an active exception").
+So the hook lets go of every reference the package and torch's device meshes keep to the groups, and collects, so
+that the groups are destroyed and their threads joined while the interpreter is whole.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +16,35 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_zero._transport import shared_memory
+from lightning_zero._transport import mesh, shared_memory
+from lightning_zero._transport.torch_private import release_mesh_groups
+from lightning_zero._transport.traffic import TRAFFIC
 
 
 @atexit.register
 def _close_process_group() -> None:
-    """Lightning leaves the process group open after training; torn down only by interpreter exit, gloo's worker
-    threads can be destroyed still joinable ("terminate called without an active exception"). Close it first.
-
-    After an uncaught exception, the interpreter keeps its traceback (``sys.last_traceback``, already printed) to the
-    very end, and with it every object the failed frames held (the module, the strategy, sharded tensors), which then
-    go only in the last collection of a half-finalized interpreter. Drop it here, so that they go as they do after a
-    run that ends without an error. Then collect the cycles that still hold the closed groups (a module's hooks, the
-    engine's reducers, DTensors and their meshes), so that their gloo threads are joined now, while the interpreter is
-    whole, and not left for its last collection: an abort at exit came in 2 of 12 launches of the checkpoint tests'
-    training without this collection, in none of 24 with it."""
-    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
+    """Lightning leaves the process group open after training: close it, then release the groups (see the module)."""
+    _drop_last_exception()
     shared_memory.close_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _release_groups()
+
+
+def _drop_last_exception() -> None:
+    """After an uncaught exception, the interpreter keeps its traceback (already printed) to the very end, and with it
+    every object the failed frames held (the module, the strategy, sharded tensors): drop it, so that they go as they
+    do after a run that ends without an error."""
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+
+
+def _release_groups() -> None:
+    """Let go of the references to the process groups that outlive a run: the package's meshes and traffic
+    placements, and the device meshes' own (torch keeps meshes in its caches); then collect the cycles that hold the
+    rest (a module's engine, its sharded tensors), which destroys the groups and joins their threads."""
+    mesh.forget_meshes()
+    TRAFFIC.forget_groups()
+    release_mesh_groups()
     gc.collect()

@@ -69,6 +69,12 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
     return _MESHES[key]
 
 
+def forget_meshes() -> None:
+    """Drop the cached meshes, and with them the references they hold to their process groups (once destroyed, a
+    group lives on, with its threads, as long as anything refers to it)."""
+    _MESHES.clear()
+
+
 def shard_group_size(option: int | str | None, world_size: int, ranks_per_node: int) -> int:
     """The shard group size ``shard_group_size=option`` gives on ``world_size`` ranks of ``ranks_per_node`` each."""
     size = world_size if option is None else ranks_per_node if option == "node" else int(option)

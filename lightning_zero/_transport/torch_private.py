@@ -6,10 +6,15 @@ when a torch release moves it.
   collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo.
 - ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
+- a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
+  none has nothing to release.
 """
 
 from __future__ import annotations
 
+import gc
+
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.utils import _sync_module_states as sync_module_states
 
@@ -22,11 +27,27 @@ except ImportError:  # older torch: `fully_shard` keeps its own collectives
     CUSTOM_COLLECTIVES = False
 
 
-
 def has_run_forward(root: FSDPModule) -> bool:
     """Whether the ``fully_shard`` root ran a forward: it sets up its per-step state (which a reset walks) only then,
     and marks it by deciding that it is the root (``None`` until then)."""
     return root._get_fsdp_state()._is_root is not None
 
 
-__all__ = ["CUSTOM_COLLECTIVES", "AllGather", "ReduceScatter", "has_run_forward", "sync_module_states"]
+def release_mesh_groups() -> None:
+    """Make every live ``DeviceMesh`` drop its references to its process groups (``_pg_registry``, in recent torch
+    releases). DTensor's caches (sharding propagation, redistribution plans, mesh topology) keep meshes for the life of
+    the process, and with them the groups, which ``destroy_process_group`` then cannot destroy. For the end of the
+    process only: a mesh without them cannot be compiled through."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):  # not isinstance: it would read `__class__`, which some objects warn on
+            getattr(obj, "_pg_registry", {}).clear()
+
+
+__all__ = [
+    "CUSTOM_COLLECTIVES",
+    "AllGather",
+    "ReduceScatter",
+    "has_run_forward",
+    "release_mesh_groups",
+    "sync_module_states",
+]

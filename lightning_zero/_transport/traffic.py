@@ -38,6 +38,10 @@ class Traffic:
         self.bytes.clear()
         self.across_nodes.clear()
 
+    def forget_groups(self) -> None:
+        """Drop the placements, which hold their groups (a destroyed group lives on while anything refers to it)."""
+        self._elsewhere.clear()
+
     def _placement(self, group: ProcessGroup) -> tuple[int, int]:
         key = (group, self.ranks_per_node)
         if key not in self._elsewhere:
