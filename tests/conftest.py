@@ -9,13 +9,25 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# Lightning's rendezvous: a run in this process sets them, and a later one reuses them, port included
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+_AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group() -> Iterator[None]:
-    """A Trainer run inside the pytest process (one device) sets rendezvous variables and a process group; later
-    tests start processes of their own (launchers, a Jupyter kernel) that must find neither."""
+    """A Trainer or Fabric run inside the pytest process (one device) sets rendezvous variables and a process group;
+    later tests start processes of their own (launchers, a Jupyter kernel) that must find neither. The variables go
+    back to what the session started with, not to what the test started with: a module's fixture that ran before the
+    test set them (a listening port that a later test's ranks would find taken)."""
     environ = dict(os.environ)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environ)
+    for name, value in _AT_START.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

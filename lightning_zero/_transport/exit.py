@@ -1,4 +1,4 @@
-"""Closing the package's communication before the interpreter exits.
+"""Closing the package's communication before the interpreter exits, and before it forks.
 
 A gloo process group runs its collectives on threads of its own, joined only when the group itself is destroyed,
 which ``destroy_process_group`` does not do while anything still refers to the group. Such a thread that finishes a
@@ -6,12 +6,17 @@ collective drops the work's tensors, which takes the GIL; if the interpreter is 
 thread in the middle of a C++ destructor, and the process aborts ("terminate called without an active exception").
 So the hook lets go of every reference the package and torch's device meshes keep to the groups, and collects, so
 that the groups are destroyed and their threads joined while the interpreter is whole.
+
+A forked process inherits its parent's objects but not its threads: if it dropped the last reference to a group of the
+parent's (a mesh of a run that ended, still cached), destroying the group would wait for threads that do not exist
+there, forever. So before a fork the parent lets go of the groups of runs that ended itself.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 
 import torch.distributed as dist
@@ -48,3 +53,17 @@ def _release_groups() -> None:
     TRAFFIC.forget_groups()
     release_mesh_groups()
     gc.collect()
+
+
+def _before_fork() -> None:
+    """In the parent, before it forks (a Trainer's ``start_method="fork"`` after a run in a notebook): release the
+    groups of runs that ended, here, where their threads run. Nothing to do (and no collection) when none ended."""
+    if not mesh.forget_stale_meshes():
+        return
+    TRAFFIC.forget_groups()
+    if not (dist.is_available() and dist.is_initialized()):  # no run goes on: every mesh left is an ended run's
+        release_mesh_groups()
+    gc.collect()
+
+
+os.register_at_fork(before=_before_fork)

@@ -50,8 +50,7 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
     world = dist.group.WORLD
     assert world is not None
     key = (world, device_type, shard_size)
-    for stale in [k for k in _MESHES if k[0] is not world]:  # of a process group destroyed since
-        del _MESHES[stale]
+    forget_stale_meshes()
     if key not in _MESHES:
         world_size = world.size()
         if shard_size == world_size:
@@ -67,6 +66,16 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
             replicate = groups[tuple(replicas[rank % shard_size])]
             _MESHES[key] = DataParallelMesh(DeviceMesh.from_group(shard, device_type), replicate, world)
     return _MESHES[key]
+
+
+def forget_stale_meshes() -> bool:
+    """Drop the cached meshes of default process groups destroyed since (the default group is another one, or none);
+    return whether there were any."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    stale = [key for key in _MESHES if key[0] is not world]
+    for key in stale:
+        del _MESHES[key]
+    return bool(stale)
 
 
 def forget_meshes() -> None:
