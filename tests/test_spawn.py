@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -79,3 +82,34 @@ def test_layers_built_in_configure_model_come_back() -> None:
     assert forked.state_dict().keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(forked.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+FORK_AFTER_A_RUN = """
+import multiprocessing, sys
+import torch.distributed as dist
+import lightning_zero
+from lightning_zero._transport.mesh import data_parallel_mesh
+
+def run(store):  # a one-rank run that caches its mesh, as every ZeRO run does
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    data_parallel_mesh("cpu", 1)
+    dist.destroy_process_group()
+
+run(sys.argv[1] + "/parent")
+child = multiprocessing.get_context("fork").Process(target=run, args=(sys.argv[1] + "/child",))
+child.start()
+child.join(30)
+print("child exit code:", child.exitcode)
+"""
+
+
+def test_a_rank_forked_after_a_run_in_the_main_process_starts(tmp_path: Path) -> None:
+    """A forked process that drops the last reference to a process group of its parent's ended run would destroy it,
+    waiting for gloo threads that exist only in the parent: forever. The parent releases such groups before it
+    forks."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_AFTER_A_RUN, str(tmp_path)], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "child exit code: 0", done.stdout + done.stderr
