@@ -35,7 +35,6 @@ from functools import partial
 from pathlib import Path
 from unittest.mock import patch
 
-import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -48,7 +47,8 @@ from lightning_zero._checkpoint import checksums as _checksums
 from lightning_zero._checkpoint.checksums import Record, share, sum_file
 from lightning_zero._checkpoint.directory import DCP_METADATA, META_FILE, read_meta
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's `tests` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script too: the repository's packages
+from benchmarks import _charts
 from tests.launch import launch as launch_ranks
 
 GIB = 2**30

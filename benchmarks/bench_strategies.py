@@ -45,7 +45,6 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import _charts
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -58,7 +57,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
 from lightning_zero.memory import engine_of, storage_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's `tests` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script too: the repository's packages
+from benchmarks import _charts
 from tests.launch import launch as launch_ranks
 
 STRATEGIES: dict[str, type[Strategy]] = {
