@@ -94,8 +94,8 @@ class FullyShardMode(Mode):
             for index, param in enumerate(group["params"]):
                 if id(param) in current:
                     continue
-                ref, name = self._names.get(id(param), (None, ""))
-                if ref is None or ref() is not param or name not in shards:
+                name = self._name_before_sharding(param)
+                if name not in shards:
                     raise ValueError(
                         f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
                         " parameter of the module being set up. HINT: build the optimizer from that module's"
@@ -113,7 +113,13 @@ class FullyShardMode(Mode):
         if super().updates(module, optimizer):
             return True
         params = (p for group in optimizer.param_groups for p in group["params"])
-        return any(self._names.get(id(p), (lambda: None, ""))[0]() is p for p in params)
+        return any(self._name_before_sharding(p) is not None for p in params)
+
+    def _name_before_sharding(self, param: torch.Tensor) -> str | None:
+        """The name ``param`` had in the module before ``fully_shard`` replaced it, if it was one of its parameters
+        (the id alone could be a later tensor's)."""
+        ref, name = self._names.get(id(param), (None, ""))
+        return name if ref is not None and ref() is param else None
 
     def _placed(self) -> ShardedModule:
         assert self.sharded is not None, f"the module is not set up yet ({self.state})"

@@ -103,10 +103,11 @@ class FabricState:
             elif len(self.modules) == 1 and _MODEL in checkpoint:
                 states[key] = checkpoint.pop(_MODEL)
             else:
+                also = f" nor `{_MODEL}`" if len(self.modules) == 1 else ""
                 raise CheckpointError(
-                    f"Checkpoint {path} holds no entry `{key}`{'' if len(self.modules) > 1 else f' nor `{_MODEL}`'}"
-                    " for the module. HINT: load it with the names it was saved with; a file of one module's state"
-                    " dict alone (`torch.save(model.state_dict(), path)`) loads with `fabric.load_raw(path, model)`."
+                    f"Checkpoint {path} holds no entry `{key}`{also} for the module. HINT: load it with the names it"
+                    " was saved with; a file of one module's state dict alone (`torch.save(model.state_dict(), path)`)"
+                    " loads with `fabric.load_raw(path, model)`."
                 )
         return states
 

@@ -321,8 +321,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         if isinstance(target, nn.Module):
             self.load_module_state_dict(target, raw_module_state(contents), strict)
         else:
-            trained = self._trained_with(target)
-            Checkpointed.one(trained.module, trained.mode).load_optimizer_state(target, contents)
+            self._alone(self._trained_with(target).module).load_optimizer_state(target, contents)
 
     def _read_file(self, source: Path, weights_only: bool | None) -> Any:
         """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
@@ -333,18 +332,21 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         trained = self._trained_of(module)
         return self.mode if trained is None else trained.mode
 
+    def _alone(self, module: nn.Module) -> Checkpointed:
+        """``module`` alone, with the mode that trains it (the first module's, for one not set up)."""
+        return Checkpointed.one(module, self._mode_of(module))
+
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return Checkpointed.one(module, self._mode_of(module)).module_state()
+        return self._alone(module).module_state()
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        Checkpointed.one(module, self._mode_of(module)).load_module_state(state_dict, strict)
+        self._alone(module).load_module_state(state_dict, strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        trained = self._trained_with(optimizer)
-        return Checkpointed.one(trained.module, trained.mode).optimizer_state(optimizer)
+        return self._alone(self._trained_with(optimizer).module).optimizer_state(optimizer)
 
     @override
     def teardown(self) -> None:
