@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's `tests` package
 
+from tests.launch import RENDEZVOUS
 
-# Lightning's rendezvous: a run in this process sets them, and a later one reuses them, port included
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 _AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
 
 

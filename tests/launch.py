@@ -34,6 +34,15 @@ GRACE = 3.0  # seconds the other ranks get to end by themselves after the first 
 POLL = 0.05  # seconds between looks at the ranks
 TAIL = 6000  # characters of each rank's output an error shows
 PAYLOAD = "payload.pkl"  # in the output directory: what the workers run
+# Lightning's rendezvous variables: a run inside the pytest process sets them, and a process started later would take
+# them for an external launcher's (and its port, perhaps still listening, for its own)
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def without_rendezvous(**extra: str) -> dict[str, str]:
+    """This process's environment without :data:`RENDEZVOUS`, plus ``extra``: for a process that must set up its own,
+    as on a fresh machine."""
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
 class LaunchError(RuntimeError):

@@ -10,7 +10,6 @@ must document every public name, and the benchmarks' charts must be shown by the
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 import lightning_zero
 from lightning_zero import fabric
+from tests.launch import without_rendezvous
 
 pytestmark = pytest.mark.slow  # its tests run the docs' code blocks in fresh interpreters
 
@@ -29,7 +29,6 @@ DOCS = REPO / "docs"
 GPU_ONLY = "<!-- gpu-only -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 CHART = re.compile(r"!\[[^\]]*\]\([^)]*charts/([\w.]+\.png)\)")  # ![alt](.../charts/NAME.png)
-STALE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,7 @@ def test_every_marker_stands_above_a_python_block() -> None:
 
 
 def run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in STALE}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = without_rendezvous(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     argv = [sys.executable, str(script), *args]
     return subprocess.run(argv, cwd=script.parent, env=env, capture_output=True, text=True, timeout=240)
 

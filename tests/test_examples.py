@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
 import subprocess
 import sys
@@ -18,19 +17,18 @@ import yaml
 from example_modules import fabric_gpt
 from example_modules.gpt import GPTLanguageModel
 from lightning_zero._checkpoint.directory import is_checkpoint_dir
+from tests.launch import without_rendezvous
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "example_modules" / "configs"
 LOSS_REPORT = re.compile(r"^train_loss start=(\S+) end=(\S+) steps=(\d+)$", re.MULTILINE)
-# A process group set up earlier in this pytest process leaves its rendezvous variables behind; an example must choose
-# its own port, as on a fresh machine.
-STALE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
 def fresh_env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k not in STALE}, "OMP_NUM_THREADS": "1"}
+    """An example chooses its own port, as on a fresh machine."""
+    return without_rendezvous(OMP_NUM_THREADS="1")
 
 
 def loss_report(output: str) -> tuple[float, float, int]:

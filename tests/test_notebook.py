@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.launch import RENDEZVOUS
+
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +22,7 @@ NOTEBOOK = REPO / "example_modules" / "notebook.ipynb"
 def test_notebook_trains_under_zero3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A process group set up earlier in this pytest process leaves its rendezvous variables behind; the kernel
     # inherits the environment, and Lightning would take them for an external launcher's.
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+    for name in RENDEZVOUS:
         monkeypatch.delenv(name, raising=False)
     # The kernel computes on 2 threads before forking (the notebook scores the untrained model), as Lightning's
     # `OMP_NUM_THREADS` left behind by earlier tests would make it: forked ranks must still not hang in GNU OpenMP.

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_zero.__main__ import main as command_line
+from tests.launch import without_rendezvous
 from tests.scenarios import MODULE_KWARGS
 from tests.workers.modules import Classifier
 
@@ -43,14 +44,8 @@ def consolidate(checkpoint: Path, output: Path, *flags: str) -> tuple[str, str]:
     return on_a_terminal([sys.executable, "-m", "lightning_zero", "consolidate", str(checkpoint), str(output), *flags])
 
 
-def child_environment() -> dict[str, str]:
-    """This environment for a child process of its own: without the rendezvous a fit in this process left behind."""
-    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-    return {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONPATH": str(REPO)}
-
-
 def on_a_terminal(argv: list[str]) -> tuple[str, str]:
-    env = child_environment()
+    env = without_rendezvous(PYTHONPATH=str(REPO))
     controller, attached = pty.openpty()
     fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: 80 columns
     with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=attached) as proc:
@@ -119,7 +114,7 @@ def test_resuming_from_a_directory_draws_a_bar_only_on_a_terminal(checkpoint: Pa
     assert stdout.strip().endswith("3"), stdout  # resumed at step 2, trained one more
 
     logged = subprocess.run(
-        [sys.executable, "-c", RESUME, str(checkpoint)], cwd=REPO, env=child_environment(),
+        [sys.executable, "-c", RESUME, str(checkpoint)], cwd=REPO, env=without_rendezvous(PYTHONPATH=str(REPO)),
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "loading checkpoint" not in logged.stderr and "\r" not in logged.stderr, logged.stderr
