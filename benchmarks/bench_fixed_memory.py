@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -31,8 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from benchmarks import _charts
+from benchmarks._ranks import run_ranks, save_rank_results
 from lightning_zero.memory import engine_of, measure
-from tests.launch import launch
 
 MIB = 2**20
 VOCAB, SEQUENCE, BATCH = 33_278, 32, 2
@@ -99,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
             trainer.fit(module)
             psi = sum(p.numel() for p in DemoLM(layers).parameters())
             results[f"{strategy}/{layers}"] = {"psi": psi, **(module.held or {})}
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    save_rank_results(args.out_dir, rank, results)
     dist.barrier()
 
 
@@ -161,10 +159,8 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--layers", *map(str, args.layers), "--strategies", *args.strategies, "--out-dir", tmp]
-        launch("benchmarks.bench_fixed_memory", argv, 2, timeout=3000)
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+    argv = ["--layers", *map(str, args.layers), "--strategies", *args.strategies]
+    ranks = run_ranks("benchmarks.bench_fixed_memory", argv, 2, timeout=3000)
     print("\n".join(report(ranks, args)), flush=True)
     chart(ranks, args)
 

@@ -14,9 +14,7 @@ stages reduce gradients in buckets or units (and on CPU through shared memory), 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +24,8 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from benchmarks import _charts
+from benchmarks._ranks import run_ranks, save_rank_results
 from example_modules.gpt import GPTLanguageModel, MarkovTokenData
-from tests.launch import launch
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -57,7 +55,7 @@ def train(strategy: str, args: argparse.Namespace, world_size: int) -> list[floa
 def worker(args: argparse.Namespace) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning's teardown removes them
     results = {strategy: train(strategy, args, world_size) for strategy in STRATEGIES}
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    save_rank_results(args.out_dir, rank, results)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -113,10 +111,8 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--steps", str(args.steps), "--size", args.size, "--batch-size", str(args.batch_size), "--out-dir", tmp]
-        launch("benchmarks.bench_loss", argv, args.world_size)
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.world_size)]
+    argv = ["--steps", str(args.steps), "--size", args.size, "--batch-size", str(args.batch_size)]
+    ranks = run_ranks("benchmarks.bench_loss", argv, args.world_size)
     print(f"Training loss of the example GPT ({args.size}) on {args.world_size} CPU processes, fp32:\n", flush=True)
     print("\n".join(table(ranks, args)), flush=True)
     chart(ranks, args)

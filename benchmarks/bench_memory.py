@@ -27,9 +27,7 @@ optimizer stepped on fp32 copies of this rank's gradient shards (``shard.grad``)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,9 +40,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import _charts
+from benchmarks._ranks import run_ranks, save_rank_results
 from lightning_zero import ZeroStrategy
 from lightning_zero.memory import engine_of, measure, storage_bytes
-from tests.launch import launch
 
 MIB = 2**20
 D_IN = 256  # input features of the MLP
@@ -184,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
     rank = int(os.environ["RANK"])
     results = {mode.label: train_and_measure(mode, args, world_size) for mode in MODES}
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    save_rank_results(args.out_dir, rank, results)
     # every rank done before gloo is torn down: a process exiting while a peer still talks can abort
     dist.barrier()
     dist.destroy_process_group()
@@ -275,9 +273,7 @@ def main() -> None:
     psi = num_params(args)
     measured = {}
     for world_size in args.world_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            launch("benchmarks.bench_memory", [*_worker_argv(args), "--out-dir", tmp], world_size)
-            ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
+        ranks = run_ranks("benchmarks.bench_memory", _worker_argv(args), world_size)
         measured[world_size] = ranks
         print(f"\n### N = {world_size} processes, Psi = {psi:,} parameters\n", flush=True)
         print("\n".join(table(ranks, psi)), flush=True)
