@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_zero._stage3.lazy import LazyTensor
 from lightning_zero._transport import shared_memory
 
 
@@ -49,8 +50,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.numel() == 0 or local.device.type == "meta":
-            continue
+        if local.numel() == 0 or local.device.type == "meta" or isinstance(local, LazyTensor):
+            continue  # no storage: a lazy tensor's values are given at set-up
         storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

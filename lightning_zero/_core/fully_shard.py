@@ -49,7 +49,7 @@ class FullyShardMode(Mode):
         return other
 
     def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
-        """Parameters of modules with ``reset_parameters()`` are created on the meta device and get their values after
+        """Parameters are built without memory, recording what gives them their values, and get those values after
         sharding (see :mod:`lightning_zero._stage3.meta_init`), unless ``empty_init`` is false."""
         return self.meta_init() if empty_init else nullcontext()
 
@@ -62,7 +62,8 @@ class FullyShardMode(Mode):
             existing.reshard()
             return
         self._names = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
-        resets = self.meta_init.plan(module)
+        plan = self.meta_init.plan(module)
+        lazy = plan.by_name(module)
         meta = {name for name, p in module.named_parameters() if p.is_meta}
         # Everything real goes to the device first, as under DDP: `fully_shard` moves only parameters and buffers,
         # not other module state (torchmetrics' metric states), and then offloads the shards itself.
@@ -76,7 +77,7 @@ class FullyShardMode(Mode):
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
         if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
             warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
-        materialize(module, resets, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
+        materialize(module, plan, lazy, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""

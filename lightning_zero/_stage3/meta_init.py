@@ -1,20 +1,22 @@
-"""Stage 3 for models too large for one rank: parameters born on the meta device, materialised shard by shard.
+"""Stage 3 for models too large for one rank: parameters built without memory, given their values shard by shard.
 
 Under :class:`MetaInit` (the strategy enters it in ``tensor_init_context`` and ``model_sharded_context``, so around
-``configure_model`` and ``Trainer.init_module()``), a parameter registered by a module that can initialise itself
-again, one that defines ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ...), is replaced
-by a meta tensor of its shape: no memory, no initialisation work. Everything else is created as usual and keeps the
-values its constructor gave it: buffers (masks, tables, BatchNorm statistics, metric states) and the parameters of
-modules without ``reset_parameters()`` (a bare ``nn.Parameter(torch.randn(...))`` on a custom module), which should
-therefore be small.
+``configure_model``, ``Trainer.init_module()`` and ``fabric.init_module()``), every ``nn.Parameter`` a module
+registers becomes a :class:`~lightning_zero._stage3.lazy.LazyTensor`: it records what the user's code does to it,
+during construction and after it until the module is set up (Hugging Face's ``post_init``, ``from_pretrained``'s
+loads, ``model.apply(init_fn)``, ``torch.nn.init.*``, ``load_state_dict``, ``copy_``), and holds no memory of its
+own: a parameter born from ``torch.empty`` (every ``torch.nn`` layer's) is recorded as such, and what writes it whole
+lets go of what came before. Buffers are created as usual and keep their values.
 
-After ``fully_shard`` (the shards of such parameters are meta DTensors then), :func:`materialize` allocates every
-shard on the device and replays, in module registration order, each ``reset_parameters()`` that had meta parameters,
-on temporary full tensors of that one module, keeping this rank's rows. A rank so holds at most its shards plus one
-module's full parameters. As construction order is registration order, the replay draws from the random generator in
-the order eager construction would have, from rank 0's generator state shared with every rank: the weights are the
-ones eager construction under the same seed gives, on any number of ranks. A tied parameter takes the values of the
-module that created it, as in eager construction, where the tie replaces the other module's own parameter.
+At set-up (:meth:`MetaInit.plan`, before ``fully_shard``), each lazy parameter is replaced by a meta parameter;
+after sharding, :func:`materialize` gives every shard its values one parameter at a time: rank 0 replays the
+parameter's record (see :mod:`~lightning_zero._stage3.lazy`) and broadcasts it, and every rank keeps its rows, so a
+rank holds at most its shards plus one whole parameter (plus the source tensors a user copied in). The values are
+the ones eager construction gives on rank 0, bit for bit, as under DDP, which starts every rank from rank 0's.
+
+Parameters the user created on the meta device themselves (``torch.device("meta")``, as ``FSDPStrategy`` users do)
+stay meta as eager construction leaves them; those whose module defines ``reset_parameters()`` get its values then,
+replayed on that module's temporary full tensors, from rank 0's generator state.
 """
 
 from __future__ import annotations
@@ -22,34 +24,69 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero._engine.layout import ShardSpec
+from lightning_zero._stage3.lazy import Empty, LazyTensor, Source
 from lightning_zero._transport.mesh import DataParallelMesh
+
+aten = torch.ops.aten
+_EMPTY_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
 
 
 def can_reset(module: nn.Module) -> bool:
     return callable(getattr(module, "reset_parameters", None))
 
 
-class MetaInit:
-    """Re-entrant context in which parameters of resettable modules are created on the meta device.
+class _FreshStorages(TorchDispatchMode):
+    """Which real storages came from ``torch.empty`` and were never written since: a parameter born on one holds
+    nothing worth keeping."""
 
-    It remembers which module created each meta parameter, for :meth:`plan`.
-    """
+    def __init__(self) -> None:
+        super().__init__()
+        self._fresh: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # storage id -> the storage, while alive
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _EMPTY_FACTORIES:
+            if type(out) is torch.Tensor and not out.is_meta:
+                storage = out.untyped_storage()
+                self._fresh[storage._cdata] = weakref.ref(storage)
+        elif func._schema.is_mutable:
+            for argument, value in zip(func._schema.arguments, args, strict=False):
+                if argument.alias_info is not None and argument.alias_info.is_write and type(value) is torch.Tensor:
+                    self._fresh.pop(value.untyped_storage()._cdata, None)
+            for value in (kwargs or {}).values():  # `out=` arguments
+                if type(value) is torch.Tensor:
+                    self._fresh.pop(value.untyped_storage()._cdata, None)
+        return out
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the whole of a fresh storage (so its values are garbage)."""
+        storage = tensor.untyped_storage()
+        ref = self._fresh.get(storage._cdata)
+        whole = tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.nbytes == storage.nbytes()
+        return ref is not None and ref() is not None and whole
+
+
+class MetaInit:
+    """Re-entrant context in which registered parameters become lazy (see the module's docs)."""
 
     def __init__(self) -> None:
         self._depth = 0
         self._original = nn.Module.register_parameter
-        self._creators: dict[int, tuple[nn.Parameter, nn.Module]] = {}  # id(meta param) -> (it, its creator)
-        # id(eager param) -> (weak ref to it, its meta replacement): one eager parameter registered twice stays one
+        self._fresh: _FreshStorages | None = None
+        # id(eager param) -> (weak ref to it, its lazy replacement): one eager parameter registered twice stays one
         self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
+        self._creators: dict[int, tuple[nn.Parameter, nn.Module]] = {}  # id(user's meta param) -> (it, its creator)
 
     @contextmanager
     def __call__(self) -> Generator[None, None, None]:
@@ -60,37 +97,67 @@ class MetaInit:
                 self._register(module, name, param)
 
             nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+            self._fresh = _FreshStorages()
+            self._fresh.__enter__()
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
+                assert self._fresh is not None
+                self._fresh.__exit__(None, None, None)
+                self._fresh = None
                 nn.Module.register_parameter = self._original  # type: ignore[method-assign]
                 self._replaced.clear()
 
     def _register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        self._original(module, name, param)
-        if param is None or type(param) is not nn.Parameter or param.is_meta or not can_reset(module):
+        if param is None or type(param) is not nn.Parameter:  # nothing, a lazy one already, or a subclass
+            self._original(module, name, param)
+            return
+        if param.is_meta:  # the user's own meta parameter: left as eager construction leaves it
+            self._creators.setdefault(id(param), (param, module))
+            self._original(module, name, param)
             return
         known = self._replaced.get(id(param))
         if known is not None and known[0]() is param:
-            meta = known[1]
+            lazy = known[1]
         else:
-            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            self._replaced[id(param)] = (weakref.ref(param), meta)
-            self._creators[id(meta)] = (meta, module)
-        module._parameters[name] = meta
+            assert self._fresh is not None
+            with torch.no_grad():
+                birth = Empty() if self._fresh.holds(param) else Source(param.detach())
+                lazy = nn.Parameter(LazyTensor.born(param, birth), requires_grad=param.requires_grad)
+            for attribute, value in vars(param).items():  # marks libraries set (Hugging Face's `_is_hf_initialized`)
+                setattr(lazy, attribute, value)
+            self._replaced[id(param)] = (weakref.ref(param), lazy)
+        self._original(module, name, lazy)
 
-    def plan(self, root: nn.Module) -> list[Reset]:
-        """The ``reset_parameters()`` calls that will give ``root``'s meta parameters their values, in order.
+    def plan(self, root: nn.Module) -> Plan:
+        """What gives ``root``'s parameters their values after sharding. Call it before ``fully_shard``: it replaces
+        each lazy parameter by a meta parameter of its layout (one for each, so ties stay ties), and lazy buffers by
+        their values."""
+        plan = Plan()
+        metas: dict[int, nn.Parameter] = {}
+        for module in root.modules():
+            for name, param in module._parameters.items():
+                if isinstance(param, LazyTensor):
+                    if id(param) not in metas:
+                        meta = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype, device="meta")
+                        metas[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+                        plan.lazy[id(metas[id(param)])] = param
+                    module._parameters[name] = metas[id(param)]
+            for name, buffer in module._buffers.items():
+                if isinstance(buffer, LazyTensor):
+                    module._buffers[name] = buffer.real_view().clone()
+        plan.resets = self._resets(root, exclude=set(plan.lazy))
+        return plan
 
-        Call it before ``fully_shard`` (which replaces the parameters): it reads which module owns which parameter.
-        """
+    def _resets(self, root: nn.Module, exclude: set[int]) -> list[Reset]:
+        """The ``reset_parameters()`` calls that give the user's own meta parameters their values, in order."""
         holders: dict[int, list[nn.Module]] = {}
         for module in root.modules():
             for param in module._parameters.values():
-                if param is not None and param.is_meta:
+                if param is not None and param.is_meta and id(param) not in exclude:
                     holders.setdefault(id(param), []).append(module)
         owner: dict[int, nn.Module] = {}
         for pid, modules in holders.items():
@@ -100,17 +167,18 @@ class MetaInit:
                 owner[pid] = creator
             elif resettable:
                 owner[pid] = resettable[0]  # its creator left the model (replaced, say): the first holder that can
-        orphans = [n for n, p in root.named_parameters(remove_duplicate=False) if p.is_meta and id(p) not in owner]
+        orphans = [n for n, p in root.named_parameters(remove_duplicate=False) if p.is_meta and id(p) in holders]
+        orphans = [n for n in orphans if id(root.get_parameter(n)) not in owner]
         if orphans:
             raise ValueError(
                 f"Parameters {orphans} are on the meta device, held only by modules without `reset_parameters()`, so"
-                " nothing can give them values. HINT: define `reset_parameters()` on their module, or create them"
-                " outside `configure_model` / `Trainer.init_module()`."
+                " nothing can give them values. HINT: create them without `device='meta'` (inside `configure_model`"
+                " every parameter is built without memory anyway), or define `reset_parameters()` on their module."
             )
         resets = []
         for module in root.modules():
             names = [n for n, p in module._parameters.items() if p is not None]
-            metas = [n for n in names if module._parameters[n].is_meta]  # type: ignore[union-attr]
+            metas = [n for n in names if id(module._parameters[n]) in holders]
             if metas and can_reset(module):
                 owned = [n for n in metas if owner.get(id(module._parameters[n])) is module]
                 resets.append(Reset(module, names, owned))
@@ -120,18 +188,36 @@ class MetaInit:
 
 @dataclass
 class Reset:
-    """One module's ``reset_parameters()`` call in the replay."""
+    """One module's ``reset_parameters()`` call, for the user's own meta parameters."""
 
     module: nn.Module
     names: list[str]  # the module's own parameters, all of which the call gets as temporary full tensors
     owned: list[str]  # those whose values it provides (a tied parameter is provided by one module only)
 
 
+@dataclass
+class Plan:
+    """What gives a module's meta parameters their values after sharding."""
+
+    lazy: dict[int, LazyTensor] = field(default_factory=dict)  # id(meta param before sharding) -> its record
+    resets: list[Reset] = field(default_factory=list)
+
+    def by_name(self, root: nn.Module) -> list[tuple[str, LazyTensor]]:
+        """``(name, lazy tensor)`` for each lazy parameter of ``root``, before sharding (one name per tie)."""
+        return [(n, self.lazy[id(p)]) for n, p in root.named_parameters() if id(p) in self.lazy]
+
+
 def materialize(
-    root: nn.Module, resets: list[Reset], device: torch.device, mesh: DataParallelMesh, shards_on_host: bool = False
+    root: nn.Module,
+    plan: Plan,
+    names: list[tuple[str, LazyTensor]],
+    device: torch.device,
+    mesh: DataParallelMesh,
+    shards_on_host: bool = False,
 ) -> None:
     """Give every meta parameter of the sharded ``root`` storage on ``device`` and its values (see module docs);
-    with ``shards_on_host`` (offload), the shards then move to host memory, where ``fully_shard`` expects them."""
+    ``names``: :meth:`Plan.by_name` before sharding. With ``shards_on_host`` (offload), the shards then move to host
+    memory, where ``fully_shard`` expects them."""
     if not any(p.is_meta for p in root.parameters()):
         return
     with torch.no_grad():
@@ -142,11 +228,28 @@ def materialize(
             _local(param).copy_(values)
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
-        _share_rank0_generator(device, mesh.world)
-        for reset in resets:
-            _replay(reset, device, mesh.shard_group)
+        source = dist.get_global_rank(mesh.world, 0)
+        for name, lazy in names:
+            if lazy._record.initialised:  # never written: garbage under eager too, and the shard's is as good
+                _fill(root.get_parameter(name), lazy, device, mesh, source)
+        if plan.resets:
+            _share_rank0_generator(device, mesh.world)
+            for reset in plan.resets:
+                _replay(reset, device, mesh.shard_group)
         if shards_on_host:
             root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
+
+
+def _fill(param: torch.Tensor, lazy: LazyTensor, device: torch.device, mesh: DataParallelMesh, source: int) -> None:
+    """Rank 0 replays the parameter's record and broadcasts it whole; each rank keeps its rows."""
+    if dist.get_rank() == source:
+        full = lazy.real_view().to(device).contiguous()
+    else:
+        full = torch.empty(lazy.shape, dtype=lazy.dtype, device=device)
+    with torch.profiler.record_function("lightning_zero::broadcast_initial_values"):
+        dist.broadcast(full, src=source, group=mesh.world)
+    local = _local(param)
+    local.copy_(_my_rows(full, local, mesh.shard_group) if isinstance(param, DTensor) else full)
 
 
 def _replay(reset: Reset, device: torch.device, group: ProcessGroup) -> None:

@@ -5,12 +5,15 @@ parameters in one block, a penalty on weights read in ``training_step`` outside 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.memory import storage_bytes
@@ -21,15 +24,30 @@ def token_data(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.randint(0, vocab, (n, seq), generator=gen))
 
 
-class ProbedLinear(nn.Linear):
-    """An ``nn.Linear`` that reports, after each of its ``reset_parameters()``, to a probe (set after construction)."""
+class LiveBytes(TorchDispatchMode):
+    """While active: the bytes of the real storages operations allocated that are still alive, and their peak (each
+    storage counted once, until the allocator frees it)."""
 
-    probe: Any = None
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: set[int] = set()
+        self.now = self.peak = 0
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.probe is not None:
-            self.probe()
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if type(tensor) is torch.Tensor and not tensor.is_meta:
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self._live:
+                    self._live.add(storage._cdata)
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
+        self.now -= nbytes
 
 
 class Block(nn.Module):
@@ -39,7 +57,7 @@ class Block(nn.Module):
         super().__init__()
         self.forward_calls = 0  # with activation checkpointing, backward runs the forward again
         self.norm = nn.LayerNorm(width)
-        self.up = ProbedLinear(width, 2 * width)
+        self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
         self.skip = nn.Linear(width, width)
         self.skip.requires_grad_(not frozen_skip)
@@ -73,14 +91,16 @@ class TiedLM(LightningModule):
         if not build_in_configure_model:
             self._build()
 
+    def setup(self, stage: str) -> None:
+        if self.hparams.build_in_configure_model and stage == "fit":
+            self._setup_bytes = LiveBytes()  # to `configure_optimizers`: building the model and sharding it
+            self._setup_bytes.__enter__()
+
     def configure_model(self) -> None:
         if not self.hparams.build_in_configure_model or hasattr(self, "embed"):
             return
         self._build()
         self.memory["configure_model_bytes"] = storage_bytes(list(self.parameters()))
-        for module in self.modules():
-            if isinstance(module, ProbedLinear):
-                module.probe = self._probe_setup
 
     def _build(self) -> None:
         h = self.hparams
@@ -126,6 +146,10 @@ class TiedLM(LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> Any:
+        if getattr(self, "_setup_bytes", None) is not None:
+            self._setup_bytes.__exit__(None, None, None)
+            self.memory["setup_peak_bytes"] = self._setup_bytes.peak
+            self._setup_bytes = None
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() == 2]
         other = [p for p in self.parameters() if p.requires_grad and p.dim() != 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
@@ -159,10 +183,6 @@ class TiedLM(LightningModule):
                 params += [p for group in opt.param_groups for p in group["params"]]
                 params += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         return params + [p.grad for p in params if isinstance(p, nn.Parameter) and p.grad is not None]
-
-    def _probe_setup(self) -> None:
-        peak = storage_bytes(list(self.parameters()))
-        self.memory["setup_peak_bytes"] = max(self.memory.get("setup_peak_bytes", 0), peak)
 
     def _probe_step(self, *_: Any) -> None:
         peak = storage_bytes(self._model_state())
