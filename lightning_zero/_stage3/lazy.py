@@ -193,7 +193,7 @@ class Record:
 class LazyTensor(torch.Tensor):
     """A view of a :class:`Record`: layout and device of a real tensor, no data; aten operations are recorded."""
 
-    _meta: torch.Tensor  # a meta view of the record's meta storage, with this tensor's layout
+    _meta: torch.Tensor  # a meta view of the record's meta storage, with this tensor's layout (never `record.meta`)
     _record: Record
 
     @staticmethod
@@ -210,7 +210,7 @@ class LazyTensor(torch.Tensor):
     def born(like: torch.Tensor, birth: Empty | Source, requires_grad: bool = False) -> LazyTensor:
         """A lazy tensor standing for ``like`` (its layout, dtype and device), born as ``birth`` says."""
         meta = torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="meta")
-        return LazyTensor(meta, Record(meta, like.device, birth), requires_grad)
+        return LazyTensor(aten.alias(meta), Record(meta, like.device, birth), requires_grad)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
@@ -221,6 +221,19 @@ class LazyTensor(torch.Tensor):
                 copy = self.clone()
             memo[id(self)] = torch.nn.Parameter(copy, self.requires_grad) if getattr(self, "_is_param", False) else copy
         return memo[id(self)]
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = value`` (``Module._apply``, Hugging Face's loaders): the same lazy tensor, now a view of
+        ``value``'s record (a real ``value`` is born as a copy)."""
+        if not isinstance(value, LazyTensor):
+            value = LazyTensor.born(value, Source(value.detach()))
+        torch._C.TensorBase.data.__set__(self, value)  # the layout and dtype this tensor reports
+        self._meta, self._record = value._meta, value._record
 
     @property
     def geometry(self) -> Geometry:
@@ -239,6 +252,8 @@ class LazyTensor(torch.Tensor):
 def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     lazies = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, LazyTensor)]
     written = _written(func, args, kwargs)
+    if torch.Tag.inplace_view in func.tags and all(isinstance(t, LazyTensor) for t in written):
+        return _restride(func, args, kwargs)
     if any(not isinstance(t, LazyTensor) for t in written):
         return _forced(func, args, kwargs)  # a real tensor receives values computed from lazy ones
     try:
@@ -261,6 +276,15 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _outputs(func, args, kwargs, draw, out, lazies, device)
 
 
+def _restride(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An in-place view operation (``t_``, ``unsqueeze_``, ...) changes a lazy tensor's layout, not its record's
+    values: the same change on its meta view and on the tensor itself."""
+    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _as_meta, (args, kwargs))
+    func(*meta_args, **meta_kwargs)
+    with torch._C._DisableTorchDispatch():
+        return func(*args, **kwargs)
+
+
 def _outputs(
     func: Any, args: Any, kwargs: Any, draw: Draw | None, out: Any, lazies: list[LazyTensor], device: torch.device
 ) -> Any:
@@ -277,7 +301,7 @@ def _outputs(
         fresh = torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device="meta")
         out_device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else device
         record = Record(fresh, out_device, Output(call, None if single else index))
-        wrapped.append(LazyTensor(fresh, record))
+        wrapped.append(LazyTensor(aten.alias(fresh), record))  # its own view: `t_()` may change it, not the record
     return wrapped[0] if single else type(out)(wrapped)
 
 

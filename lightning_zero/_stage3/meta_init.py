@@ -47,34 +47,25 @@ def can_reset(module: nn.Module) -> bool:
 
 
 class _FreshStorages(TorchDispatchMode):
-    """Which real storages came from ``torch.empty`` and were never written since: a parameter born on one holds
-    nothing worth keeping."""
+    """Whether a tensor is the output of the last operation, and that operation was ``torch.empty``: a parameter
+    registered on it (``nn.Parameter(torch.empty(...))``, every ``torch.nn`` layer's idiom) holds nothing worth
+    keeping. Any operation in between (a write, a read, a view) makes it count as values."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._fresh: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # storage id -> the storage, while alive
+        self._last: weakref.ref[torch.UntypedStorage] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in _EMPTY_FACTORIES:
-            if type(out) is torch.Tensor and not out.is_meta:
-                storage = out.untyped_storage()
-                self._fresh[storage._cdata] = weakref.ref(storage)
-        elif func._schema.is_mutable:
-            for argument, value in zip(func._schema.arguments, args, strict=False):
-                if argument.alias_info is not None and argument.alias_info.is_write and type(value) is torch.Tensor:
-                    self._fresh.pop(value.untyped_storage()._cdata, None)
-            for value in (kwargs or {}).values():  # `out=` arguments
-                if type(value) is torch.Tensor:
-                    self._fresh.pop(value.untyped_storage()._cdata, None)
+        fresh = func in _EMPTY_FACTORIES and type(out) is torch.Tensor and not out.is_meta
+        self._last = weakref.ref(out.untyped_storage()) if fresh else None
         return out
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is the whole of a fresh storage (so its values are garbage)."""
         storage = tensor.untyped_storage()
-        ref = self._fresh.get(storage._cdata)
+        last = self._last() if self._last is not None else None
         whole = tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.nbytes == storage.nbytes()
-        return ref is not None and ref() is not None and whole
+        return last is not None and last._cdata == storage._cdata and whole
 
 
 class MetaInit:
