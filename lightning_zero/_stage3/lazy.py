@@ -27,7 +27,7 @@ written by a forced in-place operation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -165,14 +165,19 @@ class Record:
             self.steps = (*self.steps, step)
 
     def realize(
-        self, steps: tuple[Step, ...] | None = None, memo: dict[int, torch.Tensor] | None = None
+        self,
+        steps: tuple[Step, ...] | None = None,
+        memo: dict[int, torch.Tensor] | None = None,
+        arena: Arena | None = None,
     ) -> torch.Tensor:
-        """The storage's values after ``steps`` (by default all of them), as a real tensor laid out as ``meta``."""
+        """The storage's values after ``steps`` (by default all of them), as a real tensor laid out as ``meta``;
+        in ``arena``'s block if given (the records it depends on get memory of their own)."""
         steps = self.steps if steps is None else steps
         memo = {} if memo is None else memo
         if id(steps) in memo:
             return memo[id(steps)]
-        buffer = torch.empty_strided(self.meta.size(), self.meta.stride(), dtype=self.meta.dtype, device=self.device)
+        meta = self.meta
+        buffer = (arena or Arena()).take(meta.size(), meta.stride(), meta.dtype, self.device)
 
         def resolve(ref: Ref) -> torch.Tensor:
             base = buffer if ref.steps is None else ref.record.realize(ref.steps, memo)
@@ -188,6 +193,36 @@ class Record:
                 step.call.run(resolve)
         memo[id(steps)] = buffer
         return buffer
+
+
+class Arena:
+    """Memory for one tensor at a time, one block per device, grown to the largest asked for. Building a model takes
+    and drops a tensor of each parameter's size, once or twice per parameter: from fresh allocations each time, small
+    allocations made in between (a generator state, a record) pin glibc's heap, and its resident size grows by about
+    the model's size; from one block, it stays one parameter."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[torch.device, torch.Tensor] = {}
+
+    def take(
+        self, size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised tensor of that layout (``stride=None``: contiguous), over the start of the device's block
+        (valid until the next take)."""
+        stride = stride if stride is not None else [math.prod(size[i + 1 :]) for i in range(len(size))]
+        span = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
+        nbytes = span * dtype.itemsize
+        block = self._blocks.get(device)
+        if block is None or block.numel() < nbytes:
+            self._blocks.pop(device, None)
+            self._blocks[device] = block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return block[:nbytes].view(dtype).as_strided(size, stride)
+
+    def release(self) -> None:
+        self._blocks.clear()
+
+
+SCRATCH = Arena()  # where random operations on lazy tensors run once, to move the generator on; emptied at set-up
 
 
 class LazyTensor(torch.Tensor):
@@ -239,10 +274,10 @@ class LazyTensor(torch.Tensor):
     def geometry(self) -> Geometry:
         return Geometry.of(self._meta)
 
-    def real_view(self) -> torch.Tensor:
-        """This view's values, laid out as this tensor, on the record's device."""
+    def real_view(self, arena: Arena | None = None) -> torch.Tensor:
+        """This view's values, laid out as this tensor, on the record's device (in ``arena``'s block if given)."""
         view = self.geometry
-        return self._record.realize().as_strided(view.size, view.stride, view.offset)
+        return self._record.realize(arena=arena).as_strided(view.size, view.stride, view.offset)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -397,10 +432,14 @@ def _advance(func: Any, args: Any, kwargs: Any) -> None:
     """Run a random operation once on scratch tensors of its lazy inputs' layout (values where it reads them), so
     that the generator moves on as in eager construction."""
     written = _written(func, args, kwargs)
+    arena: Arena | None = SCRATCH  # for one of them: the others are rare and small
 
     def scratch(tensor: LazyTensor) -> torch.Tensor:
+        nonlocal arena
         if any(t is tensor for t in written) or func.overloadpacket in _LAYOUT_ONLY:
-            return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device).zero_()
+            taken = (arena or Arena()).take(tensor.size(), tensor.stride(), tensor.dtype, tensor.device)
+            arena = None
+            return taken if func.overloadpacket in _OVERWRITES else taken.zero_()
         return tensor.real_view()
 
     scratch_args, scratch_kwargs = pytree.tree_map_only(LazyTensor, scratch, (args, kwargs))

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero._engine.layout import ShardSpec
-from lightning_zero._stage3.lazy import Empty, LazyTensor, Source
+from lightning_zero._stage3.lazy import SCRATCH, Arena, Empty, LazyTensor, Source
 from lightning_zero._transport.mesh import DataParallelMesh
 
 aten = torch.ops.aten
@@ -219,10 +219,12 @@ def materialize(
             _local(param).copy_(values)
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
-        source = dist.get_global_rank(mesh.world, 0)
+        SCRATCH.release()  # what recorded random operations ran on: they are recorded
+        source, arena = dist.get_global_rank(mesh.world, 0), Arena()
         for name, lazy in names:
             if lazy._record.initialised:  # never written: garbage under eager too, and the shard's is as good
-                _fill(root.get_parameter(name), lazy, device, mesh, source)
+                _fill(root.get_parameter(name), lazy, device, mesh, source, arena)
+        arena.release()
         if plan.resets:
             _share_rank0_generator(device, mesh.world)
             for reset in plan.resets:
@@ -231,12 +233,14 @@ def materialize(
             root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
 
 
-def _fill(param: torch.Tensor, lazy: LazyTensor, device: torch.device, mesh: DataParallelMesh, source: int) -> None:
+def _fill(
+    param: torch.Tensor, lazy: LazyTensor, device: torch.device, mesh: DataParallelMesh, source: int, arena: Arena
+) -> None:
     """Rank 0 replays the parameter's record and broadcasts it whole; each rank keeps its rows."""
     if dist.get_rank() == source:
-        full = lazy.real_view().to(device).contiguous()
+        full = lazy.real_view(arena).to(device).contiguous()
     else:
-        full = torch.empty(lazy.shape, dtype=lazy.dtype, device=device)
+        full = arena.take(lazy.shape, None, lazy.dtype, device)
     with torch.profiler.record_function("lightning_zero::broadcast_initial_values"):
         dist.broadcast(full, src=source, group=mesh.world)
     local = _local(param)
