@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero import fabric
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._offload.target import OffloadError
-from lightning_zero.consolidate import consolidate_checkpoint
+from lightning_zero.consolidate import consolidate_checkpoint, whole_state_dict
 from lightning_zero.pytorch.strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ZeroStrategy",
     "consolidate_checkpoint",
     "fabric",
+    "whole_state_dict",
 ]
 __version__ = "0.1.0"
 

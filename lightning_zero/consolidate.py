@@ -59,6 +59,36 @@ def consolidate_checkpoint(
     return output
 
 
+def whole_state_dict(
+    checkpoint: str | os.PathLike, *, prefix: str = "", trust_pickle: bool = False
+) -> dict[str, torch.Tensor]:
+    """The module weights of a Trainer checkpoint, whole, in this process: the entries of its ``state_dict`` whose
+    names start with ``prefix``, without it. ``checkpoint``: this package's checkpoint directory, a DeepSpeed
+    checkpoint, or a Lightning checkpoint file. For handing a submodule to its library, e.g. a Hugging Face model held
+    as ``self.model``::
+
+        model = GPT2LMHeadModel(config)
+        model.load_state_dict(whole_state_dict("last.ckpt", prefix="model."))
+        model.save_pretrained("gpt2-finetuned")
+
+    ``trust_pickle``: as for :func:`consolidate_checkpoint`.
+    """
+    path = Path(checkpoint)
+    unpickling = Unpickling.TRUSTED if trust_pickle else Unpickling.RESTRICTED
+    if path.is_dir():
+        state = whole_checkpoint(path, unpickling, weights_only=True)["state_dict"]
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)["state_dict"]
+    chosen = {name[len(prefix) :]: value for name, value in state.items() if name.startswith(prefix)}
+    if not chosen:
+        heads = sorted({name.split(".")[0] + "." for name in state})
+        raise KeyError(
+            f"No weights in {str(path)!r} start with prefix={prefix!r}. HINT: the checkpoint's names start with"
+            f" {heads}: pass the attribute your LightningModule holds the model under, with its dot."
+        )
+    return chosen
+
+
 def whole_checkpoint(
     checkpoint_dir: Path, unpickling: Unpickling, *, weights_only: bool = False, progress: bool = False
 ) -> dict[str, Any]:

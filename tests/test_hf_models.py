@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # launches processes
 
 ALL_STAGES = ("ddp", "zero1", "zero2", "zero3")
 CASES = [
-    Case("gpt2_configure_model", "trainer", "gpt2", strategies=ALL_STAGES),
+    Case("gpt2_configure_model", "trainer", "gpt2", strategies=ALL_STAGES, saved=True),
     Case("llama_configure_model", "trainer", "llama"),
     Case("t5_configure_model", "trainer", "t5"),
     Case("gpt2_from_pretrained", "trainer", "gpt2", "pretrained", strategies=ALL_STAGES),
@@ -40,8 +40,13 @@ RUNS = [(case.name, strategy) for case in CASES for strategy in case.strategies 
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    out = tmp_path_factory.mktemp("hf")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def results(out_dir: Path) -> list[dict[Any, Any]]:
+    out = out_dir
     pretrained = out / "pretrained"
     for kind in ("gpt2", "llama"):
         save_pretrained(kind, pretrained / kind)
@@ -80,3 +85,25 @@ def test_pretrained_weights_are_the_folders(results: list[dict[Any, Any]], tmp_p
         loaded = per_rank[("gpt2_from_pretrained", "zero3")]["initial"]
         for key, value in expected.items():
             assert torch.equal(loaded[key], value), key
+
+
+def test_zero3_checkpoint_to_a_save_pretrained_folder(results: list[dict[Any, Any]], out_dir: Path) -> None:
+    """A zero3 checkpoint directory, through :func:`whole_state_dict`, into the model's own ``save_pretrained``: the
+    folder ``from_pretrained`` reads gives the logits of the model ``"ddp"`` trained (from its checkpoint file)."""
+    from transformers import GPT2LMHeadModel
+
+    from lightning_zero import whole_state_dict
+    from tests.workers.hf_models import config
+
+    models = {}
+    for strategy in ("ddp", "zero3"):
+        model = GPT2LMHeadModel(config("gpt2"))
+        model.load_state_dict(whole_state_dict(out_dir / f"gpt2_configure_model-{strategy}.ckpt", prefix="model."))
+        model.save_pretrained(out_dir / f"gpt2-{strategy}")
+        models[strategy] = GPT2LMHeadModel.from_pretrained(out_dir / f"gpt2-{strategy}").eval()
+    assert (out_dir / "gpt2_configure_model-zero3.ckpt").is_dir()
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        close(models["zero3"](tokens).logits, models["ddp"](tokens).logits, "logits", FP32)
+    for key, value in results[0][("gpt2_configure_model", "zero3")]["final"].items():
+        assert torch.equal(models["zero3"].state_dict()[key.removeprefix("model.")], value), key

@@ -40,6 +40,7 @@ class Case:
     model: str  # "gpt2", "llama", "t5"
     build: str = "config"  # "config", "pretrained", "apply_init", "lora", "frozen_embeddings"
     strategies: tuple[str, ...] = ("ddp", "zero3")
+    saved: bool = False  # the Trainer saves a checkpoint at the end, as `{name}-{strategy}.ckpt`
 
 
 def config(kind: str) -> Any:
@@ -149,14 +150,17 @@ class HFModule(pl.LightningModule):
         return DataLoader(TensorDataset(torch.cat(batches(self.global_rank))), batch_size=4)
 
 
-def run_trainer(case: Case, strategy: str, pretrained: Path) -> dict[str, Any]:
+def run_trainer(case: Case, strategy: str, pretrained: Path, out_dir: Path) -> dict[str, Any]:
     pl.seed_everything(7, verbose=False)
     module = HFModule(case, pretrained)
-    cpu_trainer(strategy, max_steps=STEPS).fit(module)
+    trainer = cpu_trainer(strategy, max_steps=STEPS)
+    trainer.fit(module)
+    if case.saved:
+        trainer.save_checkpoint(out_dir / f"{case.name}-{strategy}.ckpt")
     return {**module.record, "final": whole(module.model)}
 
 
-def run_fabric(case: Case, strategy: str, pretrained: Path) -> dict[str, Any]:
+def run_fabric(case: Case, strategy: str, pretrained: Path, out_dir: Path) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(7, verbose=False)
@@ -185,7 +189,7 @@ def main(out_dir: Path) -> None:
     for case in payload["cases"]:
         for strategy in case.strategies:
             run = run_trainer if case.front == "trainer" else run_fabric
-            results[(case.name, strategy)] = run(case, strategy, payload["pretrained"])
+            results[(case.name, strategy)] = run(case, strategy, payload["pretrained"], out_dir)
     save_results(out_dir, int(os.environ["RANK"]), results)
 
 
