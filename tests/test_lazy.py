@@ -183,3 +183,29 @@ def test_hugging_face_from_config_and_from_pretrained(tmp_path: pytest.TempPathF
         assert lazy.lm_head.weight is lazy.transformer.wte.weight  # the tie
         for (name, expected), actual in zip(eager.named_parameters(), lazy.parameters(), strict=True):
             assert torch.equal(values(actual), expected), name
+
+
+def test_attributes_computed_from_parameters_get_their_values() -> None:
+    """A plain attribute computed from a parameter while building keeps eager construction's values at set-up; a view
+    of a parameter kept as an attribute, which its shards could not follow, is refused with a HINT."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 8)
+    torch.manual_seed(0)
+    init = MetaInit()
+    with init():
+        model = nn.Linear(4, 8)
+        model.doubled = model.weight.detach() * 2
+    init.plan(model)
+    assert type(model.doubled) is torch.Tensor and torch.equal(model.doubled, eager.weight.detach() * 2)
+    with init():
+        model = nn.Linear(4, 8)
+        model.transposed = model.weight.detach().t()
+    with pytest.raises(RuntimeError, match=r"`Linear.transposed` is a view of a parameter.*HINT: compute it"):
+        init.plan(model)
+
+
+def test_resizing_a_parameter_while_building_is_refused() -> None:
+    with MetaInit()():
+        model = nn.Linear(4, 8)
+        with pytest.raises(RuntimeError, match=r"`resize_` on a parameter.*HINT: create the parameter"):
+            model.weight.data.resize_(2, 2)

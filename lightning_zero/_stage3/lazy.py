@@ -42,6 +42,8 @@ _LAYOUT_ONLY = {
     aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.new_zeros, aten.new_ones, aten.new_full,
     aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like, aten.randint_like,
 }  # fmt: skip
+# in-place operations that give a tensor other storage, which a record cannot follow
+_RESIZES = {aten.set_, aten.resize_, aten.resize_as_}
 # in-place operations whose result does not depend on what the tensor held
 _OVERWRITES = {
     aten.fill_, aten.zero_, aten.copy_, aten.normal_, aten.uniform_, aten.random_, aten.exponential_, aten.cauchy_,
@@ -287,6 +289,13 @@ class LazyTensor(torch.Tensor):
 def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     lazies = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, LazyTensor)]
     written = _written(func, args, kwargs)
+    if func.overloadpacket in _RESIZES and any(isinstance(t, LazyTensor) for t in written):
+        raise RuntimeError(
+            f"`{func.overloadpacket.__name__}` on a parameter while the model is built for stage 3 changes its"
+            " storage, which stage 3 replays per parameter only while the layout stays. HINT: create the parameter"
+            " with its final shape, or build this model eagerly (`Trainer.init_module(empty_init=False)`,"
+            " `fabric.init_module(empty_init=False)`, or in `__init__` rather than `configure_model`)."
+        )
     if torch.Tag.inplace_view in func.tags and all(isinstance(t, LazyTensor) for t in written):
         return _restride(func, args, kwargs)
     if any(not isinstance(t, LazyTensor) for t in written):

@@ -140,6 +140,11 @@ class MetaInit:
             for name, buffer in module._buffers.items():
                 if isinstance(buffer, LazyTensor):
                     module._buffers[name] = buffer.real_view().clone()
+        parameters = {id(lazy._record) for lazy in plan.lazy.values()}
+        for module in root.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, LazyTensor):
+                    setattr(module, name, _attribute_values(module, name, value, parameters))
         plan.resets = self._resets(root, exclude=set(plan.lazy))
         return plan
 
@@ -175,6 +180,18 @@ class MetaInit:
                 resets.append(Reset(module, names, owned))
         self._creators.clear()
         return resets
+
+
+def _attribute_values(module: nn.Module, name: str, value: LazyTensor, parameters: set[int]) -> torch.Tensor:
+    """A plain attribute computed from parameters while building gets its values; a view of a parameter (its record
+    in ``parameters``) cannot follow it into its shards."""
+    if id(value._record) in parameters:
+        raise RuntimeError(
+            f"`{type(module).__name__}.{name}` is a view of a parameter, kept as a plain attribute; stage 3 replaces"
+            " parameters by their shards, which such a view cannot follow. HINT: compute it from the parameter in"
+            " `forward`, or register it as a parameter or buffer of its own."
+        )
+    return value.real_view().clone()
 
 
 @dataclass
