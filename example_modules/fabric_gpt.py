@@ -4,7 +4,7 @@ ZeRO ones included (``import lightning_zero`` registers them). From the reposito
     python -m example_modules.fabric_gpt --strategy zero3 --devices 2
 
 Fabric starts one process per device. The loop shows every piece the ZeRO strategies take part in: the model built
-inside ``fabric.init_module()`` (under stage 3 on several ranks its parameters start on the meta device and each rank
+inside ``fabric.init_module()`` (under stage 3 on several ranks its parameters are built without memory and each rank
 materialises only its shards), ``setup_module`` then the optimizer built on the parameters it left (stage 3's shards)
 and ``setup_optimizers``, ``fabric.backward``, ``no_backward_sync`` around all but the last micro-batch of a step, and
 ``fabric.clip_gradients``. With ``--checkpoint DIR`` the run resumes from ``DIR`` when it holds a checkpoint (written

@@ -51,8 +51,8 @@ def shape_of(size: str) -> GPTShape:
 class Linear(nn.Linear):
     """``nn.Linear`` initialised as GPT-2 does: weights from N(0, ``std``), zero bias.
 
-    The rule lives in ``reset_parameters()``, which ZeRO stage 3 replays shard by shard on layers it created on the
-    meta device (in ``configure_model``), so every stage starts from this initialisation.
+    The rule lives in ``reset_parameters()``, which ``nn.Linear``'s constructor calls (and which stage 3 records,
+    like any initialisation, for layers built in ``configure_model``), so every stage starts from it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, std: float = INIT_STD) -> None:
@@ -116,7 +116,7 @@ class GPTLanguageModel(LightningModule):
     """A decoder-only language model of a named size, trained with AdamW and a warmup-then-cosine schedule.
 
     The layers are built in ``configure_model``, which the ``Trainer`` calls inside the strategy's initialisation
-    context: under ZeRO stage 3 they are created on the meta device and each rank then materialises only its shards,
+    context: under ZeRO stage 3 they are built without memory and each rank then materialises only its shards,
     so even the large sizes never exist whole on one rank. Outside a ``Trainer``, call ``configure_model()`` first.
 
     Args:
@@ -142,7 +142,7 @@ class GPTLanguageModel(LightningModule):
     @override
     def configure_model(self) -> None:
         """Build the layers, once: Lightning calls this hook on every ``fit``, ``validate``, ``test`` and ``predict``.
-        Weights come from each layer's ``reset_parameters()`` (GPT-2's initialisation), so stage 3 can replay it."""
+        Weights come from each layer's ``reset_parameters()`` (GPT-2's initialisation)."""
         if self.layers_built:
             return
         shape = self.shape

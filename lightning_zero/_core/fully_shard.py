@@ -54,8 +54,8 @@ class FullyShardMode(Mode):
         return self.meta_init() if empty_init else nullcontext()
 
     def _place(self, module: nn.Module) -> None:
-        """Apply ``fully_shard`` to the units and the module, then give parameters created on the meta device their
-        values, shard by shard. A module sharded before (a later ``fit``, ``validate``, ...) stays as it is."""
+        """Apply ``fully_shard`` to the units and the module, then give parameters built without memory their values,
+        shard by shard. A module sharded before (a later ``fit``, ``validate``, ...) stays as it is."""
         existing = ShardedModule.of(module)
         if existing is not None:
             self.sharded = existing

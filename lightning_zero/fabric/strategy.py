@@ -99,8 +99,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """When stage 3 shards the module: parameters of modules with ``reset_parameters()`` are created on the meta
-        device and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
+        """When stage 3 shards the module: parameters are built without memory, recording what gives them their
+        values, and get those values after sharding, unless ``empty_init=False`` asks for eager construction."""
         stack = ExitStack()
         stack.enter_context(super().module_init_context(empty_init))
         stack.enter_context(self.mode.init_context(empty_init is not False))
@@ -403,7 +403,7 @@ class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
 
     ``Fabric(strategy="zero3")`` or ``"zero3_offload"``, or this class with the options of ``ZeroStrategy``.
-    Under ``fabric.init_module()`` layers with ``reset_parameters()`` are born on the meta device.
+    Under ``fabric.init_module()`` parameters are built without memory and get their values shard by shard.
     """
 
     fixed_stage = Stage.PARAMETERS

@@ -369,15 +369,15 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """When stage 3 shards the module: parameters of modules with ``reset_parameters()`` are created on the meta
-        device, and get their values after sharding, unless ``empty_init=False`` asks for eager initialization."""
+        """When stage 3 shards the module: parameters are built without memory, recording what gives them their
+        values, and get those values after sharding, unless ``empty_init=False`` asks for eager construction."""
         with super().tensor_init_context(empty_init), self.mode.init_context(empty_init is not False):
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: stage 3 creates parameters on the meta device (see ``tensor_init_context``)."""
+        """Around ``configure_model``: stage 3 builds parameters without memory (see ``tensor_init_context``)."""
         with super().model_sharded_context(), self.mode.init_context(True):
             yield
 
@@ -433,7 +433,7 @@ class Zero3Strategy(ZeroStrategy):
 
     ``Trainer(strategy="zero3")``, ``"zero3_offload"`` (shards and optimizer in host memory) or
     ``Trainer(strategy=Zero3Strategy(...))``, with the options of ``ZeroStrategy``; large models build their
-    layers in ``configure_model``, on the meta device, and get their values shard by shard.
+    layers in ``configure_model``, without memory, and get their values shard by shard.
     """
 
     fixed_stage = Stage.PARAMETERS
