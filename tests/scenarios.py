@@ -208,8 +208,8 @@ class FabricScenario(Runs):
         accumulate: micro-batches per step; all but the last run under ``fabric.no_backward_sync``.
         clip: gradient clipping before each step.
         precision: Fabric's ``precision`` flag.
-        empty_init: if not ``None``, the compared strategies build the module inside
-            ``fabric.init_module(empty_init=...)``; the reference builds it eagerly (its weights are the oracle).
+        init_module: the compared strategies build the module inside ``fabric.init_module(empty_init=empty_init)``;
+            the reference builds it eagerly (its weights are the oracle).
     """
 
     _: KW_ONLY
@@ -218,6 +218,7 @@ class FabricScenario(Runs):
     accumulate: int = 1
     clip: Clip | None = None
     precision: str = "32-true"
+    init_module: bool = False
     empty_init: bool | None = None
 
 

@@ -19,6 +19,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_zero._stage3.lazy import LazyTensor
 from tests.oracle import full, full_optimizer_state
 from tests.scenarios import (
     Clip,
@@ -76,7 +77,7 @@ def build(fabric: Fabric, scenario: FabricScenario, strategy: StrategySpec) -> p
     ``fabric.init_module`` when the scenario asks (the reference eagerly: its weights are the oracle)."""
     fabric.seed_everything(scenario.seed, verbose=False)
     module_class = MODULES[scenario.module]
-    if scenario.empty_init is None or strategy == scenario.reference:
+    if not scenario.init_module or strategy == scenario.reference:
         return module_class(**scenario.module_kwargs)
     with fabric.init_module(empty_init=scenario.empty_init):
         return module_class(**scenario.module_kwargs)
@@ -136,11 +137,11 @@ def snapshot(module: nn.Module, optimizer: Any) -> dict[str, Any]:
 def run(scenario: FabricScenario, strategy: StrategySpec) -> dict[str, Any]:
     fabric = make_fabric(strategy, scenario.precision)
     module = build(fabric, scenario, strategy)
-    built_on_meta = sorted(k for k, v in module.state_dict().items() if v.is_meta)
+    built_lazily = sorted(k for k, v in module.state_dict().items() if isinstance(v, LazyTensor))
     model, optimizer = set_up(fabric, scenario.setup, module)
     result: dict[str, Any] = {}
-    if scenario.empty_init is not None:  # how the module was built, and the weights it started from
-        result["built_on_meta"] = built_on_meta
+    if scenario.init_module:  # how the module was built, and the weights it started from
+        result["built_lazily"] = built_lazily
         result["initial"] = snapshot(model, optimizer.optimizer)["state_dict"]
     losses = train(fabric, scenario, model, optimizer)
     return {**result, "losses": losses, **snapshot(model, optimizer.optimizer)}
