@@ -209,3 +209,24 @@ def test_resizing_a_parameter_while_building_is_refused() -> None:
         model = nn.Linear(4, 8)
         with pytest.raises(RuntimeError, match=r"`resize_` on a parameter.*HINT: create the parameter"):
             model.weight.data.resize_(2, 2)
+
+
+def test_parameters_nothing_initialised_get_their_modules_reset() -> None:
+    """Under ``empty_init=True`` Lightning skips ``torch.nn.init``: such parameters would hold uninitialised memory
+    under eager construction, so their module's ``reset_parameters()`` gives them values (as ``FSDPStrategy`` does);
+    one whose module has none is left as it is, not refused; one given values after is left to its record."""
+    from lightning.fabric.utilities.init import _EmptyInit
+
+    class NoReset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(3, 3))
+
+    init = MetaInit()
+    with _EmptyInit(enabled=True), init():
+        model = nn.Sequential(nn.Linear(4, 8), NoReset(), nn.Linear(8, 2))
+    nn.init.constant_(model[2].weight, 0.5)  # after the `with` block, as LitGPT's `model.apply(init_fn)`
+    plan = init.plan(model)
+    resets = [(type(r.module).__name__, r.owned) for r in plan.resets]
+    assert resets == [("Linear", ["weight", "bias"]), ("Linear", ["bias"])]
+    assert [name for name, lazy in plan.by_name(model) if lazy._record.initialised] == ["2.weight"]

@@ -145,11 +145,15 @@ class MetaInit:
             for name, value in list(vars(module).items()):
                 if isinstance(value, LazyTensor):
                     setattr(module, name, _attribute_values(module, name, value, parameters))
-        plan.resets = self._resets(root, exclude=set(plan.lazy))
+        # nothing gave these values (Lightning's `empty_init=True` skips `torch.nn.init`): garbage under eager
+        # construction, so their module's `reset_parameters()` is as right and friendlier, as `FSDPStrategy` does
+        unset = {pid for pid, lazy in plan.lazy.items() if not lazy._record.initialised}
+        plan.resets = self._resets(root, exclude=set(plan.lazy) - unset, optional=unset)
         return plan
 
-    def _resets(self, root: nn.Module, exclude: set[int]) -> list[Reset]:
-        """The ``reset_parameters()`` calls that give the user's own meta parameters their values, in order."""
+    def _resets(self, root: nn.Module, exclude: set[int], optional: set[int]) -> list[Reset]:
+        """The ``reset_parameters()`` calls that give the meta parameters not in ``exclude`` their values, in order;
+        those in ``optional`` may have no module to reset them (they keep what memory held)."""
         holders: dict[int, list[nn.Module]] = {}
         for module in root.modules():
             for param in module._parameters.values():
@@ -164,7 +168,7 @@ class MetaInit:
             elif resettable:
                 owner[pid] = resettable[0]  # its creator left the model (replaced, say): the first holder that can
         orphans = [n for n, p in root.named_parameters(remove_duplicate=False) if p.is_meta and id(p) in holders]
-        orphans = [n for n in orphans if id(root.get_parameter(n)) not in owner]
+        orphans = [n for n in orphans if id(root.get_parameter(n)) not in owner.keys() | optional]
         if orphans:
             raise ValueError(
                 f"Parameters {orphans} are on the meta device, held only by modules without `reset_parameters()`, so"
@@ -242,10 +246,11 @@ def materialize(
             if lazy._record.initialised:  # never written: garbage under eager too, and the shard's is as good
                 _fill(root.get_parameter(name), lazy, device, mesh, source, arena)
         arena.release()
-        if plan.resets:
-            _share_rank0_generator(device, mesh.world)
-            for reset in plan.resets:
-                _replay(reset, device, mesh.shard_group)
+        if plan.resets:  # from rank 0's generator, which set-up leaves as it found it, as eager construction does
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                _share_rank0_generator(device, mesh.world)
+                for reset in plan.resets:
+                    _replay(reset, device, mesh.shard_group)
         if shards_on_host:
             root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
 
