@@ -298,8 +298,8 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
     if torch.Tag.inplace_view in func.tags and all(isinstance(t, LazyTensor) for t in written):
         return _restride(func, args, kwargs)
-    if any(not isinstance(t, LazyTensor) for t in written):
-        return _forced(func, args, kwargs)  # a real tensor receives values computed from lazy ones
+    if any(not isinstance(t, LazyTensor) for t in written) or len({id(t._record) for t in written}) > 1:
+        return _forced(func, args, kwargs)  # a real tensor receives values computed from lazy ones, or two records
     try:
         meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _as_meta, (args, kwargs))
         out = func(*meta_args, **meta_kwargs)
@@ -394,10 +394,10 @@ def _forced(func: Any, args: Any, kwargs: Any) -> Any:
     out = func(*real_args, **real_kwargs)
     for tensor in written:
         tensor._record.steps = (Source(buffers[id(tensor._record)]),)
-    return pytree.tree_map_only(torch.Tensor, lambda t: _lazy_for_real(t, written, real_args), out) if written else out
+    return pytree.tree_map_only(torch.Tensor, lambda t: _lazy_for_real(t, written), out) if written else out
 
 
-def _lazy_for_real(result: torch.Tensor, written: list[LazyTensor], real_args: Any) -> torch.Tensor:
+def _lazy_for_real(result: torch.Tensor, written: list[LazyTensor]) -> torch.Tensor:
     """A forced in-place operation returns its lazy target, not the buffer it wrote."""
     for tensor in written:
         buffer = tensor._record.steps[0]
