@@ -1,7 +1,7 @@
 """Real model code under every stage: Hugging Face ``transformers`` models (GPT-2 with its tied embeddings and
 ``Conv1D`` layers, Llama, T5) and a peft LoRA adapter, built where Lightning tells users to build large models
-(``configure_model``, ``fabric.init_module()``) from a config, by ``from_pretrained`` of a folder made here with
-``save_pretrained``, or LitGPT-style with ``model.apply(init_fn)``; nothing is downloaded.
+(``configure_model``, ``Trainer.init_module()``, ``fabric.init_module()``) from a config, by ``from_pretrained`` of
+a folder made here with ``save_pretrained``, or LitGPT-style with ``model.apply(init_fn)``; nothing is downloaded.
 
 The weights after set-up are ``"ddp"``'s bit for bit (stage 3 builds them without memory and replays what the user's
 code did, see lightning_zero/_stage3/lazy.py); the losses and final weights of three AdamW steps are ``"ddp"``'s within
@@ -32,6 +32,7 @@ CASES = [
     Case("llama_apply_init", "trainer", "llama", "apply_init"),
     Case("gpt2_lora", "trainer", "gpt2", "lora", strategies=("ddp", "zero2", "zero3")),
     Case("gpt2_frozen_embeddings", "trainer", "gpt2", "frozen_embeddings"),
+    Case("llama_trainer_init_module", "trainer_init_module", "llama", "pretrained"),
     Case("gpt2_init_module", "fabric", "gpt2"),
     Case("llama_from_pretrained_init_module", "fabric", "llama", "pretrained"),
     Case("llama_empty_init_then_apply", "fabric", "llama", "apply_init"),

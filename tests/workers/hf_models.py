@@ -32,8 +32,8 @@ VOCAB, SEQ, STEPS = 97, 12, 3
 
 @dataclass(frozen=True)
 class Case:
-    """A model and the way it is built; ``front``: ``"trainer"`` (in ``configure_model``) or ``"fabric"`` (under
-    ``fabric.init_module()``)."""
+    """A model and the way it is built; ``front``: ``"trainer"`` (in ``configure_model``), ``"trainer_init_module"``
+    (in ``__init__`` under ``Trainer.init_module()``) or ``"fabric"`` (under ``fabric.init_module()``)."""
 
     name: str
     front: str
@@ -124,12 +124,15 @@ def whole(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class HFModule(pl.LightningModule):
-    """A LightningModule as users write it: the Hugging Face model built in ``configure_model``."""
+    """A LightningModule as users write it: the Hugging Face model built in ``configure_model``, or in ``__init__``
+    (under ``Trainer.init_module()`` for the ``"trainer_init_module"`` front)."""
 
     def __init__(self, case: Case, pretrained: Path) -> None:
         super().__init__()
         self.case, self.pretrained = case, pretrained
         self.record: dict[str, Any] = {"losses": []}
+        if case.front == "trainer_init_module":
+            self.model = build(case, pretrained)
 
     def configure_model(self) -> None:
         if not hasattr(self, "model"):
@@ -152,8 +155,9 @@ class HFModule(pl.LightningModule):
 
 def run_trainer(case: Case, strategy: str, pretrained: Path, out_dir: Path) -> dict[str, Any]:
     pl.seed_everything(7, verbose=False)
-    module = HFModule(case, pretrained)
     trainer = cpu_trainer(strategy, max_steps=STEPS)
+    with trainer.init_module():
+        module = HFModule(case, pretrained)
     trainer.fit(module)
     if case.saved:
         trainer.save_checkpoint(out_dir / f"{case.name}-{strategy}.ckpt")
@@ -188,7 +192,7 @@ def main(out_dir: Path) -> None:
     results: dict[tuple[str, str], Any] = {}
     for case in payload["cases"]:
         for strategy in case.strategies:
-            run = run_trainer if case.front == "trainer" else run_fabric
+            run = run_fabric if case.front == "fabric" else run_trainer
             results[(case.name, strategy)] = run(case, strategy, payload["pretrained"], out_dir)
     save_results(out_dir, int(os.environ["RANK"]), results)
 
