@@ -29,6 +29,7 @@ PUBLIC = {
     "Zero3Strategy": "lightning_zero.pytorch.strategy",
     "ZeroStrategy": "lightning_zero.pytorch.strategy",
     "consolidate_checkpoint": "lightning_zero.consolidate",
+    "whole_state_dict": "lightning_zero.consolidate",
 }
 FABRIC_PUBLIC = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy"]
 # each registered name: its stage and the options it sets
