@@ -9,7 +9,8 @@ gather for a peer that went on to other collectives (Lightning's, gloo's), until
 
 So each rank sends a label with its barrier's status byte and compares its peers' labels with its own: the first
 barrier the ranks do not enter for the same reason raises :class:`DivergedError` on every rank, naming what each rank
-was doing. Stage 3 also makes every rank meet at the end of each forward of the whole module (:data:`END_OF_FORWARD`,
+was doing; a rank whose process ends tells its peers so (:data:`LEFT`), so that a peer still waiting for it fails at
+once too. Stage 3 also makes every rank meet at the end of each forward of the whole module (:data:`END_OF_FORWARD`,
 a Trainer step), so that a rank that finished its step early meets a peer still gathering, rather than leaving for
 collectives the channel cannot see.
 
@@ -43,6 +44,9 @@ ALL_GATHER = label("an all-gather")
 ALL_REDUCE = label("an all-reduce")
 REDUCE_SCATTER = label("a reduce-scatter")
 END_OF_FORWARD = label("the end of a forward of the whole module (the end of a step's forward, under the Trainer)")
+# what a rank's channel tells its peers as its process ends (at exit), when its script finished or raised
+LEFT = label("the end of its process: its script finished, with fewer collectives than the others")
+LEFT_FAILED = label("the end of its process, after an exception")
 
 
 def unit_gather(module: str, unit: str) -> int:

@@ -81,11 +81,13 @@ def mapped_bytes() -> int:
     return sum(c.mapped_bytes for c in _CHANNELS.values() if c is not None)
 
 
-def close_all() -> None:
-    """Unmap every channel (at exit, before the process group goes)."""
+def close_all(failed: bool = False) -> None:
+    """Unmap every channel (at exit, before the process group goes), telling the peers that this rank leaves, after an
+    exception if ``failed``: a peer still waiting for it then fails at once (see :mod:`.labels`)."""
+    farewell = labels.LEFT_FAILED if failed else labels.LEFT
     for opened in _CHANNELS.values():
         if opened is not None:
-            opened.close()
+            opened.close(farewell)
     _CHANNELS.clear()
 
 
@@ -241,7 +243,13 @@ class Channel:
         ring = 0 if self._ring is None else RING_SIZE * self._ring.buffer_bytes
         return sum(len(m) for m in self._maps) + ring
 
-    def close(self) -> None:
+    def close(self, farewell: int = labels.LEFT) -> None:
+        """Unmap the segments and close the FIFOs, after sending the peers one last message: ``farewell``."""
+        if self._broken is None:
+            message = bytes([0]) + farewell.to_bytes(4, "little")
+            for fd in self._outboxes:
+                with contextlib.suppress(OSError):  # that peer is gone already
+                    os.write(fd, message)
         self._slots, self._slot_views, self._ring = [], {}, None
         for fd in (*self._inbox_peers, *self._outboxes):
             os.close(fd)
@@ -325,6 +333,9 @@ class Channel:
         received = self._read_peers()
         if any(message[1:] != other[1:] for other in received.values()):
             doing = {rank: int.from_bytes(other[1:], "little") for rank, other in received.items()}
+            for rank, said in doing.items():
+                if said == labels.LEFT_FAILED:  # its own error is the one to read
+                    self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
             self._break(labels.diverged(self.rank, {**doing, self.rank: label}))
         for other in received.values():
             status &= other[0]

@@ -5,13 +5,17 @@ rank, or a plain module whose forward runs one unit on rank 0 only.
 ``python -m tests.workers.divergent OUT``, the payload in ``OUT`` holding ``runs``: a list of ``(Divergence, strategy
 name, synced_gpus)`` run one after the other (``synced_gpus``: ``None`` leaves it out of the ``generate()`` call).
 After each run every rank writes ``OUT/<phase>-<strategy>-<synced>.rank<r>.json``: the token ids it generated, in
-order. A run that raises ends the process with its exception, as a user's script would.
+order. A run that raises ends the process with its exception, as a user's script would; with ``rank1_fails_last``
+in the payload, rank 1 raises after the last run, once rank 0 has nothing left to do with it.
+
+Started without a rank in its environment, it is the job Lightning's launcher makes of ``Trainer(devices=2)``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +108,14 @@ def run(phase: Divergence, strategy: str, synced: bool | None) -> list[list[int]
 
 
 def main(out: Path) -> None:
-    for phase, strategy, synced in read_payload(out)["runs"]:
+    payload = read_payload(out)
+    for phase, strategy, synced in payload["runs"]:
         generated = run(phase, strategy, synced)
         rank = torch.distributed.get_rank()
         (out / f"{run_name(phase, strategy, synced)}.rank{rank}.json").write_text(json.dumps(generated))
+    if payload.get("rank1_fails_last") and torch.distributed.get_rank() == 1:
+        time.sleep(2)  # rank 0 is at its exit by now
+        raise ValueError("rank 1 fails after its last run")
 
 
 if __name__ == "__main__":
