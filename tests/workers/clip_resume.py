@@ -70,7 +70,7 @@ class TinyGPT(nn.Module):
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Embedding, nn.Linear)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=0.2)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.normal_(module.bias, mean=0.0, std=0.02)  # nonzero: the key biases' gradients are then rounding
 
@@ -115,7 +115,7 @@ def run(strategy: str, resume: bool, out: Path) -> dict[str, Any]:
         model, optimizer = setup(fabric)
         fabric.load(path, {"model": model, "optimizer": optimizer})
         train(fabric, model, optimizer, range(STEPS, 2 * STEPS), record)
-    record["params"] = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    record["params"] = {name: full(p).detach().clone() for name, p in model.module.named_parameters()}
     return record
 
 
