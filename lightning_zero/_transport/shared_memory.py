@@ -331,16 +331,21 @@ class Channel:
         if self._broken is not None:
             raise self._broken.with_traceback(None)
         received = self._read_peers()
-        if any(message[1:] != other[1:] for other in received.values()):
-            doing = {rank: int.from_bytes(other[1:], "little") for rank, other in received.items()}
-            for rank, said in doing.items():
-                if said == labels.LEFT_FAILED:  # its own error is the one to read
-                    self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
-            self._break(labels.diverged(self.rank, {**doing, self.rank: label}))
+        said = message[1:]
         for other in received.values():
+            if other[1:] != said:
+                self._break(self._divergence(received, label))
             status &= other[0]
         self._ring_free = status
         self._timeouts_seen = peers.timeouts_witnessed()
+
+    def _divergence(self, received: dict[int, bytes], label: int) -> peers.PeerError | labels.DivergedError:
+        """The error of a barrier where the peers' messages (``received``) carry other labels than this rank's."""
+        doing = {rank: int.from_bytes(other[1:], "little") for rank, other in received.items()}
+        failed = [rank for rank, said in doing.items() if said == labels.LEFT_FAILED]
+        if failed:  # that rank's own error is the one to read
+            return peers.exited(_WHERE, self.rank, failed[0], self._pids)
+        return labels.diverged(self.rank, {**doing, self.rank: label})
 
     def _read_peers(self) -> dict[int, bytes]:
         """One message from each peer's FIFO (peer rank -> message), waiting as long as the timeout while the peers are
