@@ -5,7 +5,7 @@ Lightning watches them only while this process runs (a thread that kills every r
 failed after this one finished its work (one that generated longer, or raised in its own teardown) used to leave the
 job with this process's 0 and its outputs lost. So at its exit, once its process groups are closed (a rank still
 waiting for this one in a collective then fails at once, not after the timeout), this process waits for each rank it
-started and, if one failed, ends with status 1 and a line naming it.
+started, as torchrun waits for its workers, and, if one failed, ends with status 1 and a line naming it.
 """
 
 from __future__ import annotations
