@@ -314,6 +314,15 @@ class SharedMemoryCheck(enum.Enum):
     RING_ALONE = "ring_alone"  # the same in the opening of stage 3's gather ring
 
 
+class Divergence(enum.Enum):
+    """Where ``tests/workers/divergent.py`` runs code that differs between ranks under stage 3."""
+
+    PREDICT = "predict"  # `generate()` in `predict_step`, each rank its own number of new tokens
+    VALIDATE = "validate"  # the same in `validation_step`, through `Trainer.validate`
+    FIT = "fit"  # the same in the validation between two training epochs
+    BRANCH = "branch"  # a plain module whose forward runs one of its units on rank 0 only
+
+
 class Fault(enum.Enum):
     """Where ``tests/workers/faults.py`` breaks a run; ``RAISE_AT`` there is the step."""
 

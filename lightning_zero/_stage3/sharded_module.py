@@ -18,6 +18,12 @@ Two kinds of parameters live outside that scheme:
   unit's forward and backward; read elsewhere it is this rank's shard, a DTensor, and the step fails with an error
   that says so (a loss computed from a shard is refused before backward: its gradient would be wrong or fail).
   Keeping such a module in the root unit (the default policy only picks repeated container entries) fixes it.
+
+Every rank must gather the same units in the same order. Where the units' collectives go through shared memory, each
+is labelled with its unit and ranks that diverge (a ``generate()`` that stops earlier on one rank, a branch taken by one
+rank) fail at once on every rank, and every rank meets the others at the end of each forward of the whole module (a
+Trainer step's forward), so that a rank that finished early cannot go on to other collectives and leave its peers
+waiting in a gather (:mod:`lightning_zero._transport.labels`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import fsdp_comms
+from lightning_zero._transport import fsdp_comms, labels
 from lightning_zero._transport.mesh import DataParallelMesh
 from lightning_zero._transport.torch_private import has_run_forward
 
@@ -90,7 +96,8 @@ class ShardedModule:
         for unit in units:  # deepest first
             fully_shard(unit, mesh=mesh.shard, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
-        fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
+        self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
+        self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
@@ -100,6 +107,8 @@ class ShardedModule:
             (m._parameters, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None
         ]
         module.register_forward_pre_hook(self._follow_requires_grad)
+        module.register_forward_pre_hook(self._enter_forward)
+        module.register_forward_hook(self._leave_forward)
         for owner in module.modules():
             if any(isinstance(p, DTensor) for p in owner._parameters.values()):
                 owner.register_load_state_dict_pre_hook(self._shard_full_tensors)
@@ -138,6 +147,15 @@ class ShardedModule:
             current = parameters[name]
             if current is not sharded and current is not None and current.requires_grad != sharded.requires_grad:
                 current.requires_grad_(sharded.requires_grad)
+
+    def _enter_forward(self, *_: Any) -> None:
+        self._forwards += 1
+
+    def _leave_forward(self, *_: Any) -> None:
+        """At the end of the outermost forward of the whole module, every rank meets the others (see the module)."""
+        self._forwards -= 1
+        if self._forwards == 0 and self._channel is not None:
+            self._channel.meet(labels.END_OF_FORWARD)
 
     @contextmanager
     def gradient_sync_disabled(self) -> Generator[None, None, None]:
@@ -180,6 +198,7 @@ class ShardedModule:
         """After an exception aborted a step: drop the step's unfinished gathers and gradient reductions and reshard
         every unit, the root included (it stays gathered through a step), so that the module is at rest again and can
         be moved, saved or trained. The aborted step's gradients are lost."""
+        self._forwards = 0  # the aborted forward never left
         module = self.module
         assert isinstance(module, FSDPModule)
         if not has_run_forward(module):  # nothing gathered yet, and no per-step state to reset

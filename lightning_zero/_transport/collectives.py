@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 from lightning_zero._grouping import group_by
-from lightning_zero._transport import peers, shared_memory
+from lightning_zero._transport import labels, peers, shared_memory
 from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
@@ -94,8 +94,11 @@ def _shared(tensor: torch.Tensor, group: ProcessGroup) -> shared_memory.Channel 
     return shared_memory.channel(group)
 
 
-def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup) -> Pending:
-    """``output`` (one chunk) receives the sum over ranks of this rank's chunk of ``buffer`` (``world_size`` chunks)."""
+def reduce_scatter_sum(
+    output: torch.Tensor, buffer: torch.Tensor, group: ProcessGroup, label: int = labels.REDUCE_SCATTER
+) -> Pending:
+    """``output`` (one chunk) receives the sum over ranks of this rank's chunk of ``buffer`` (``world_size`` chunks);
+    ``label`` says what for (:mod:`.labels`, on shared memory)."""
     TRAFFIC.record("reduce_scatter", buffer.nbytes, group)
     with torch.profiler.record_function("lightning_zero::reduce_scatter_grads"):
         if not _point_to_point(group):
@@ -107,7 +110,7 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
             return Exchange([], group)
         shared = _shared(buffer, group)
         if shared is not None:
-            return shared.reduce_scatter_sum(output, buffer)
+            return shared.reduce_scatter_sum(output, buffer, label)
         others = [r for r in range(size) if r != me]
         # The first peer's chunk lands in ``output`` itself; only ranks beyond two need extra room.
         landing = [output, *torch.empty(len(others) - 1, output.numel(), dtype=output.dtype, device=output.device)]
@@ -129,8 +132,11 @@ def reduce_scatter_sum(output: torch.Tensor, buffer: torch.Tensor, group: Proces
             return Exchange(dist.batch_isend_irecv(ops), group, finish)
 
 
-def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -> Pending:
-    """``output`` (``world_size`` chunks) receives every rank's ``chunk`` in rank order."""
+def all_gather(
+    output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup, label: int = labels.ALL_GATHER
+) -> Pending:
+    """``output`` (``world_size`` chunks) receives every rank's ``chunk`` in rank order; ``label`` says what for
+    (:mod:`.labels`, on shared memory)."""
     TRAFFIC.record("all_gather", output.nbytes, group)
     with torch.profiler.record_function("lightning_zero::all_gather_params"):
         if not _point_to_point(group):
@@ -144,7 +150,7 @@ def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup) -
             return Exchange([], group)
         shared = _shared(chunk, group)
         if shared is not None:
-            return shared.all_gather(output)
+            return shared.all_gather(output, label)
         ops = []
         for peer in range(size):
             if peer != me:

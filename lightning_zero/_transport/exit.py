@@ -21,19 +21,22 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_zero._transport import mesh, shared_memory
+from lightning_zero._transport import launched, mesh, shared_memory
 from lightning_zero._transport.torch_private import release_mesh_groups
 from lightning_zero._transport.traffic import TRAFFIC
 
 
 @atexit.register
 def _close_process_group() -> None:
-    """Lightning leaves the process group open after training: close it, then release the groups (see the module)."""
+    """Lightning leaves the process group open after training: close it, then release the groups (see the module);
+    then wait for the ranks this process started, if it did (:mod:`.launched`)."""
+    failed = getattr(sys, "last_value", None) is not None  # an uncaught exception ends this process
     _drop_last_exception()
-    shared_memory.close_all()
+    shared_memory.close_all(failed)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _release_groups()
+    launched.wait_for_started_ranks()
 
 
 def _drop_last_exception() -> None:

@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import shared_memory
+from lightning_zero._transport import labels, shared_memory
 from lightning_zero._transport.torch_private import CUSTOM_COLLECTIVES, AllGather, ReduceScatter
 
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
@@ -27,16 +27,18 @@ RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channe
 
 def install(
     fsdp_modules: list[nn.Module], group: ProcessGroup, largest_unit_bytes: int, replicas: ProcessGroup | None = None
-) -> None:
+) -> shared_memory.Channel | None:
     """Give every ``fully_shard``-ed module of a gloo group this package's collectives (where torch lets them be
     replaced), with a gather ring sized for the largest unit when the ranks share a host. With ``replicas`` (hybrid
-    sharding: ``group`` is one shard group), each unit's reduced gradient shards are then averaged across the groups."""
+    sharding: ``group`` is one shard group), each unit's reduced gradient shards are then averaged across the groups.
+    The last module is the root; each unit's collectives are labelled with its path in it (:mod:`.labels`). Returns
+    the shared-memory channel the units' collectives go through, if they do."""
     if replicas is not None:
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
             module.set_all_reduce_hook(AcrossReplicas(replicas))
     if dist.get_backend(group) != "gloo" or not CUSTOM_COLLECTIVES or group.size() == 1:
-        return
+        return None
     channel = shared_memory.channel(group)
     if channel is not None:
         ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
@@ -47,10 +49,19 @@ def install(
                 " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`).",
                 stacklevel=2,
             )
+    root = fsdp_modules[-1]
+    paths = {module: path for path, module in root.named_modules()}
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
-        module.set_custom_all_gather(HostAllGather(channel))
-        module.set_custom_reduce_scatter(HostReduceScatter())
+        where = (_class_name(root), paths[module])
+        module.set_custom_all_gather(HostAllGather(channel, labels.unit_gather(*where)))
+        module.set_custom_reduce_scatter(HostReduceScatter(labels.unit_reduce(*where)))
+    return channel
+
+
+def _class_name(module: nn.Module) -> str:
+    """The class of ``module`` before ``fully_shard`` made it an ``FSDP<class>``."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _page_multiple(size: int) -> int:
@@ -61,8 +72,9 @@ def _page_multiple(size: int) -> int:
 class HostAllGather(AllGather):  # type: ignore[misc]
     """All-gather into a gather-ring buffer (``allocate``) where the channel has one free and large enough."""
 
-    def __init__(self, channel: shared_memory.Channel | None) -> None:
+    def __init__(self, channel: shared_memory.Channel | None, label: int) -> None:
         self._channel = channel
+        self._label = label  # the unit's
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self._channel is not None and device.type == "cpu":
@@ -74,11 +86,14 @@ class HostAllGather(AllGather):  # type: ignore[misc]
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
     ) -> None:
-        comm.all_gather(output_tensor, input_tensor, group).wait()
+        comm.all_gather(output_tensor, input_tensor, group, self._label).wait()
 
 
 class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
     """Reduce-scatter (a sum or an average) with this package's collectives."""
+
+    def __init__(self, label: int) -> None:
+        self._label = label  # the unit's
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -94,7 +109,7 @@ class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return
-        comm.reduce_scatter_sum(output_tensor, input_tensor, group).wait()
+        comm.reduce_scatter_sum(output_tensor, input_tensor, group, self._label).wait()
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(group.size())
 

@@ -7,8 +7,10 @@ segment, a *barrier*, each rank copies (or sums) what it needs out of the others
 
 Words used below:
 
-- *barrier*: every rank writes one *status byte* into a FIFO towards each peer, then reads one from each peer (~3 us).
-  A pair of ranks has its own FIFO each way, so the k-th byte read from a peer is that peer's k-th barrier's.
+- *barrier*: every rank writes one *message* into a FIFO towards each peer, then reads one from each peer (~3 us): a
+  *status byte* and the collective's *label* (:mod:`.labels`), compared with this rank's own. A pair of ranks has its
+  own FIFO each way, so the k-th message read from a peer is that peer's k-th barrier's (a message is written at once,
+  and FIFO writes that short are never split).
 - *slot*: half of a segment, ``SLOT_BYTES`` long. A collective larger than a slot runs in *pieces*; the k-th piece of
   the channel's life uses slot ``k % 2`` of every segment.
 - *in order*: a piece starts only after this rank has finished the previous piece (its barrier and its reads). So when
@@ -48,13 +50,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_zero._files import reserved_mapping
-from lightning_zero._transport import peers, shm_files
+from lightning_zero._transport import labels, peers, shm_files
 
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
 _WHERE = "shared-memory collective"
 _DISABLE = "LIGHTNING_ZERO_SHM_DISABLE"
 _POLL_SECONDS = 1.0  # how often a waiting rank checks that its peers are alive
+_MESSAGE_BYTES = 5  # a barrier's message: the status byte, then the label (4 bytes, little-endian)
 _CHANNELS: dict[ProcessGroup, Channel | None] = {}
 
 
@@ -78,11 +81,13 @@ def mapped_bytes() -> int:
     return sum(c.mapped_bytes for c in _CHANNELS.values() if c is not None)
 
 
-def close_all() -> None:
-    """Unmap every channel (at exit, before the process group goes)."""
+def close_all(failed: bool = False) -> None:
+    """Unmap every channel (at exit, before the process group goes), telling the peers that this rank leaves, after an
+    exception if ``failed``: a peer still waiting for it then fails at once (see :mod:`.labels`)."""
+    farewell = labels.LEFT_FAILED if failed else labels.LEFT
     for opened in _CHANNELS.values():
         if opened is not None:
-            opened.close()
+            opened.close(farewell)
     _CHANNELS.clear()
 
 
@@ -131,8 +136,9 @@ class Channel:
         self._in_flight: InFlight | None = None
         self._ring: GatherRing | None = None
         self._ring_free = 0  # bit i: ring buffer i released by every rank, as of the last barrier
-        # the error that ended the channel: a peer stalled or exited, and the FIFOs' byte order is lost with it
-        self._broken: peers.PeerError | None = None
+        # the error that ended the channel: a peer stalled or exited, and the FIFOs' byte order is lost with it; or the
+        # ranks diverged
+        self._broken: peers.PeerError | labels.DivergedError | None = None
         peers.witness_timeouts()
         self._timeouts_seen = peers.timeouts_witnessed()  # as of the last barrier every peer arrived at
 
@@ -211,27 +217,39 @@ class Channel:
         self._ring_free &= ~(1 << index)
         return self._ring.buffer(index, numel, dtype)
 
-    def all_gather(self, output: torch.Tensor) -> InFlight:
+    def all_gather(self, output: torch.Tensor, label: int = labels.ALL_GATHER) -> InFlight:
         """``output`` (``size`` chunks, this rank's already in place) receives every other rank's in rank order."""
         rows = output.view(self.size, -1)
         if self._ring is not None and self._ring.holds(output):
-            return self._start(self._barrier())  # every rank wrote its row of the one shared buffer
-        return self._start(self._all_gather(rows))
+            return self._start(self._barrier(label))  # every rank wrote its row of the one shared buffer
+        return self._start(self._all_gather(rows, label))
 
-    def reduce_scatter_sum(self, output: torch.Tensor, buffer: torch.Tensor) -> InFlight:
+    def reduce_scatter_sum(
+        self, output: torch.Tensor, buffer: torch.Tensor, label: int = labels.REDUCE_SCATTER
+    ) -> InFlight:
         """``output`` (one chunk) receives the sum, in rank order, of every rank's chunk ``rank`` of ``buffer``."""
-        return self._start(self._reduce_scatter(output.view(-1), buffer.view(self.size, -1)))
+        return self._start(self._reduce_scatter(output.view(-1), buffer.view(self.size, -1), label))
 
     def all_reduce_sum(self, buffer: torch.Tensor) -> InFlight:
         """``buffer`` becomes the sum over ranks, added in rank order, so bit-identical on every rank."""
         return self._start(self._all_reduce(buffer.view(-1)))
+
+    def meet(self, label: int) -> None:
+        """A barrier alone, where every rank says ``label``: ranks that are elsewhere fail here (see :mod:`.labels`)."""
+        self._start(self._barrier(label)).wait()
 
     @property
     def mapped_bytes(self) -> int:
         ring = 0 if self._ring is None else RING_SIZE * self._ring.buffer_bytes
         return sum(len(m) for m in self._maps) + ring
 
-    def close(self) -> None:
+    def close(self, farewell: int = labels.LEFT) -> None:
+        """Unmap the segments and close the FIFOs, after sending the peers one last message: ``farewell``."""
+        if self._broken is None:
+            message = bytes([0]) + farewell.to_bytes(4, "little")
+            for fd in self._outboxes:
+                with contextlib.suppress(OSError):  # that peer is gone already
+                    os.write(fd, message)
         self._slots, self._slot_views, self._ring = [], {}, None
         for fd in (*self._inbox_peers, *self._outboxes):
             os.close(fd)
@@ -247,16 +265,16 @@ class Channel:
             self._in_flight.wait()
             self._in_flight = None
 
-    def _all_gather(self, rows: torch.Tensor) -> Generator[None, None, None]:
+    def _all_gather(self, rows: torch.Tensor, label: int) -> Generator[None, None, None]:
         chunk = rows[self.rank]
         for start, stop in _spans(chunk.numel(), SLOT_BYTES // chunk.element_size()):
             slot = self._next_slot(chunk.dtype)
             slot[self.rank][: stop - start].copy_(chunk[start:stop])
-            yield from self._barrier()
+            yield from self._barrier(label)
             for rank in self._peers():
                 rows[rank, start:stop].copy_(slot[rank][: stop - start])
 
-    def _reduce_scatter(self, output: torch.Tensor, chunks: torch.Tensor) -> Generator[None, None, None]:
+    def _reduce_scatter(self, output: torch.Tensor, chunks: torch.Tensor, label: int) -> Generator[None, None, None]:
         # Peers need only their own chunks of this rank's buffer; this rank's chunk is read in place, unless
         # ``output`` overlaps the buffer (the sum would overwrite it before reading it).
         own_in_place = not _overlap(output, chunks)
@@ -266,7 +284,7 @@ class Channel:
             for rank in range(self.size):
                 if rank != self.rank or not own_in_place:
                     staged[self.rank][rank].copy_(chunks[rank, start:stop])
-            yield from self._barrier()
+            yield from self._barrier(label)
             addends = [staged[rank][self.rank] for rank in range(self.size)]
             if own_in_place:
                 addends[self.rank] = chunks[self.rank, start:stop]
@@ -276,7 +294,7 @@ class Channel:
         for start, stop in _spans(buffer.numel(), SLOT_BYTES // buffer.element_size()):
             slot = self._next_slot(buffer.dtype)
             slot[self.rank][: stop - start].copy_(buffer[start:stop])
-            yield from self._barrier()
+            yield from self._barrier(labels.ALL_REDUCE)
             _sum_into(buffer[start:stop], [slot[rank][: stop - start] for rank in range(self.size)])
 
     def _next_slot(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -291,9 +309,11 @@ class Channel:
     def _peers(self) -> list[int]:
         return self._peer_ranks
 
-    def _barrier(self) -> Generator[None, None, None]:
-        """Send this rank's status byte to every peer, pause (the caller goes on after a collective's first piece),
-        then read every peer's; the ring buffers every rank has released are those of all the bytes."""
+    def _barrier(self, label: int) -> Generator[None, None, None]:
+        """Send this rank's message (status byte and ``label``) to every peer, pause (the caller goes on after a
+        collective's first piece), then read every peer's: a peer's other label ends the channel with
+        :class:`~.labels.DivergedError`, on every rank alike; the ring buffers every rank has released are those of all
+        the status bytes."""
         if self._broken is not None:  # report it again at once: waiting another timeout would tell nothing new
             raise self._broken.with_traceback(None)
         if peers.timeouts_witnessed() != self._timeouts_seen:  # this rank already waited a timeout since they met
@@ -301,7 +321,7 @@ class Channel:
             pids = list(self._pids.values())
             self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, pids, peers.last_timeout()))
         status = self._ring.released() if self._ring is not None else 0
-        message = bytes([status])
+        message = bytes([status]) + label.to_bytes(4, "little")
         for fd, rank in zip(self._outboxes, self._peers(), strict=True):
             try:
                 os.write(fd, message)
@@ -310,23 +330,35 @@ class Channel:
         yield
         if self._broken is not None:
             raise self._broken.with_traceback(None)
-        for byte in self._read_peers():
-            status &= byte
+        received = self._read_peers()
+        said = message[1:]
+        for other in received.values():
+            if other[1:] != said:
+                self._break(self._divergence(received, label))
+            status &= other[0]
         self._ring_free = status
         self._timeouts_seen = peers.timeouts_witnessed()
 
-    def _read_peers(self) -> list[int]:
-        """One byte from each peer's FIFO, waiting as long as the timeout while the peers are alive."""
+    def _divergence(self, received: dict[int, bytes], label: int) -> peers.PeerError | labels.DivergedError:
+        """The error of a barrier where the peers' messages (``received``) carry other labels than this rank's."""
+        doing = {rank: int.from_bytes(other[1:], "little") for rank, other in received.items()}
+        failed = [rank for rank, said in doing.items() if said == labels.LEFT_FAILED]
+        if failed:  # that rank's own error is the one to read
+            return peers.exited(_WHERE, self.rank, failed[0], self._pids)
+        return labels.diverged(self.rank, {**doing, self.rank: label})
+
+    def _read_peers(self) -> dict[int, bytes]:
+        """One message from each peer's FIFO (peer rank -> message), waiting as long as the timeout while the peers are
+        alive."""
         waiting = dict(self._inbox_peers)
-        received = []
+        received = {}
         timeout = self._timeout.total_seconds()
         deadline: float | None = None  # known once a first wait comes back empty: the common case never asks the clock
         while waiting:
             left = timeout if deadline is None else deadline - time.monotonic()
             ready, _, _ = select.select(list(waiting), [], [], min(_POLL_SECONDS, max(left, 0.0)))
             for fd in ready:
-                received.append(os.read(fd, 1)[0])
-                del waiting[fd]
+                received[waiting.pop(fd)] = os.read(fd, _MESSAGE_BYTES)
             if ready:
                 continue
             if deadline is None:  # that wait took min(_POLL_SECONDS, timeout) of it
@@ -341,7 +373,7 @@ class Channel:
                 self._break(peers.stalled(_WHERE, self.rank, peers.ranks(missing, self._pids), self._timeout, pids))
         return received
 
-    def _break(self, error: peers.PeerError) -> NoReturn:
+    def _break(self, error: peers.PeerError | labels.DivergedError) -> NoReturn:
         """End the channel with ``error``: every later collective raises it at once (several can be in flight, and
         autograd runs the end-of-backward callback even after a hook failed)."""
         self._broken = error

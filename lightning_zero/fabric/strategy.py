@@ -38,6 +38,7 @@ from lightning_zero._core.checkpointed import Checkpointed, Trained
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._core.optimizers import as_set_up
 from lightning_zero.consolidate import whole_checkpoint
+from lightning_zero.fabric.launcher import ScriptLauncher
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state
 
@@ -96,6 +97,14 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self._hooks: list[RemovableHandle] = []
 
     precision = zero_aware_plugin("_precision", zero_aware, Precision)
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Copies of the script: rank 0 waits for the others at its exit (:class:`ScriptLauncher`)."""
+        super()._configure_launcher()
+        if self._start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

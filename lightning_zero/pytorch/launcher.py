@@ -1,7 +1,8 @@
-"""The launcher for ``start_method="fork"``, ``"spawn"`` or ``"forkserver"`` (notebooks): Lightning's, except that the
+"""The launchers. For ``start_method="fork"``, ``"spawn"`` or ``"forkserver"`` (notebooks): Lightning's, except that the
 weights rank 0 hands back to the main process are whole tensors, so the module there ends ``fit`` trained under every
 stage, that the main process builds the layers a module creates in ``configure_model`` before it loads them, and that
-forked ranks compute on one thread each."""
+forked ranks compute on one thread each. For ``"popen"`` (copies of the script): Lightning's, except that rank 0 ends
+after the ranks it started, and fails when one of them did."""
 
 from __future__ import annotations
 
@@ -11,10 +12,23 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from lightning_zero._transport import launched
+
+
+class ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's, except that this process, rank 0, ends after the ranks it started, and not with 0 when one of them
+    failed (:mod:`lightning_zero._transport.launched`)."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        super()._call_children_scripts()
+        launched.started(self.procs)
 
 
 class FullWeightsLauncher(_MultiProcessingLauncher):

@@ -21,7 +21,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
@@ -36,7 +35,7 @@ from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, wr
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
-from lightning_zero.pytorch.launcher import FullWeightsLauncher
+from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
 
@@ -161,7 +160,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:  # notebooks: the main process gets the trained weights back, whole under every stage
             self._launcher = FullWeightsLauncher(self, start_method=self._start_method)
 

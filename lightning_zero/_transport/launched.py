@@ -1,0 +1,47 @@
+"""The ranks this process started as copies of its script (Lightning's launcher for ``devices=N`` outside torchrun):
+the job's exit status is this process's, so it must not end before them, nor with 0 when one of them failed.
+
+Lightning watches them only while this process runs (a thread that kills every rank once one fails), so a rank that
+failed after this one finished its work (one that generated longer, or raised in its own teardown) used to leave the
+job with this process's 0 and its outputs lost. So at its exit, once its process groups are closed (a rank still
+waiting for this one in a collective then fails at once, not after the timeout), this process waits for each rank it
+started, as torchrun waits for its workers, and, if one failed, ends with status 1 and a line naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+_STARTED: list[list[subprocess.Popen]] = []  # the launchers' lists of the processes they started, filled as they do
+
+
+def started(procs: list[subprocess.Popen]) -> None:
+    """``procs``: the processes a launcher started, ranks 1, 2, ... of this node, in order."""
+    _STARTED.append(procs)
+
+
+def wait_for_started_ranks() -> None:
+    """At exit, after the process groups are closed: wait for every rank this process started, and end the process
+    with status 1 if one failed (even where this process itself is ending with 0)."""
+    failed = [
+        (rank, code)
+        for procs in _STARTED
+        for rank, proc in enumerate(procs, start=1)
+        if (code := proc.wait()) != 0
+    ]
+    _STARTED.clear()
+    if not failed:
+        return
+    ranks = ", ".join(f"rank {rank} (exit code {code})" for rank, code in failed)
+    print(
+        f"lightning_zero: {ranks}, started by this process (rank 0), failed; the job fails with it. HINT: that"
+        " rank's own error, printed above, says why.",
+        file=sys.stderr,
+    )
+    logging.shutdown()  # what `os._exit` skips: the interpreter's remaining exit work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # an exception or `sys.exit` in an exit hook leaves the status as it was
