@@ -322,12 +322,16 @@ class Fault(enum.Enum):
     ON_TRAIN_START = "on_train_start"  # every rank raises ValueError there, before any forward (at step 0)
     RANK1_STOPS_IN_STEP = "rank1_stops_in_step"  # rank 1 SIGSTOPs itself at the start of training_step
     RANK1_STOPS_BETWEEN_STEPS = "rank1_stops_between_steps"  # the same once the step has ended
+    # rank 1 reaches its address-space limit (RLIMIT_AS): a Python allocation raises MemoryError
+    RANK1_OUT_OF_MEMORY_IN_STEP = "rank1_out_of_memory_in_step"  # in training_step, before the forward
+    RANK1_OUT_OF_MEMORY_IN_BACKWARD = "rank1_out_of_memory_in_backward"  # in a hook of the backward
+    RANK1_OUT_OF_MEMORY_BEFORE_SAVE = "rank1_out_of_memory_before_save"  # no allocation: the checkpoint's save runs out
 
 
 @dataclass(frozen=True)
 class FaultyRun:
     """One ``fit`` of ``tests/workers/faults.py``: the stage-3 test module under ``strategy`` (``"zero1"``,
-    ``"zero2"`` or ``"zero3"``), broken by ``fault``."""
+    ``"zero2"``, ``"zero3"`` or ``"ddp"``, for comparison), broken by ``fault``."""
 
     strategy: str
     fault: Fault = Fault.NONE

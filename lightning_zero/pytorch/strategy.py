@@ -36,6 +36,7 @@ from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, wr
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -171,6 +172,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        failures.start_run()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -387,6 +389,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         gathered, which teardown could not move, and the user would see that error instead of their own). Should
         that fail too, say so beside the user's exception, never instead of it."""
         super().on_exception(exception)
+        failures.announce(exception)
         try:
             self.mode.settle_after_failure()
         except Exception as error:
@@ -395,6 +398,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 " saving the module may fail as well. HINT: the failure above is the one to fix.",
                 stacklevel=2,
             )
+        failures.note_other_failures(exception)
 
     @classmethod
     @override
