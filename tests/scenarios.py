@@ -328,6 +328,19 @@ class Fault(enum.Enum):
     RANK1_OUT_OF_MEMORY_BEFORE_SAVE = "rank1_out_of_memory_before_save"  # no allocation: the checkpoint's save runs out
 
 
+class Preemption(enum.Enum):
+    """Where in step ``SIGNAL_AT`` of ``tests/workers/preemption.py`` every rank (or one) sends itself a signal, or
+    raises."""
+
+    BEFORE_BACKWARD = "sigusr1_before_backward"  # in training_step, the loss computed (stage 3: the root gathered)
+    BETWEEN_BACKWARD_AND_STEP = "sigusr1_between_backward_and_step"  # on_before_optimizer_step
+    AFTER_STEP = "sigusr1_after_step"  # optimizer_step, once the optimizer stepped and before Lightning counts it
+    DURING_SAVE = "sigusr1_during_save"  # on_save_checkpoint of a ModelCheckpoint's save
+    RANK1_ONLY = "sigusr1_rank1_only"  # on_before_optimizer_step, on rank 1 alone
+    SIGTERM = "sigterm_between_backward_and_step"  # SIGTERM there; OnExceptionCheckpoint saves the checkpoint
+    EXCEPTION = "exception_before_backward"  # every rank raises ValueError there; OnExceptionCheckpoint saves
+
+
 @dataclass(frozen=True)
 class FaultyRun:
     """One ``fit`` of ``tests/workers/faults.py``: the stage-3 test module under ``strategy`` (``"zero1"``,

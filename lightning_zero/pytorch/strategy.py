@@ -39,6 +39,7 @@ from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aw
 from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
+from lightning_zero.pytorch.preemption import DeferredRequeue
 
 
 class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
@@ -157,6 +158,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
 
     precision_plugin = zero_aware_plugin("_precision_plugin", zero_aware, Precision)
+    _requeue: DeferredRequeue | None = None  # SLURM's requeue signal, acted on between steps (auto-requeue runs)
 
     @override
     def _configure_launcher(self) -> None:
@@ -260,6 +262,19 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         self.mode.after_backward()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._requeue = DeferredRequeue.install(self._trainer())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Where a requeue signal is acted on: between two steps, on every rank at the same one (see
+        :mod:`.preemption`)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._requeue is not None:
+            self._requeue.at_batch_start(self.root_device)
 
     @override
     def on_validation_start(self) -> None:
