@@ -337,6 +337,8 @@ class Preemption(enum.Enum):
     AFTER_STEP = "sigusr1_after_step"  # optimizer_step, once the optimizer stepped and before Lightning counts it
     DURING_SAVE = "sigusr1_during_save"  # on_save_checkpoint of a ModelCheckpoint's save
     RANK1_ONLY = "sigusr1_rank1_only"  # on_before_optimizer_step, on rank 1 alone
+    # on_before_optimizer_step; then the next save dies half-way, leaving its staging directory (.hpc_ckpt_2.ckpt...)
+    SAVE_KILLED = "sigusr1_then_a_save_killed"
     SIGTERM = "sigterm_between_backward_and_step"  # SIGTERM there; OnExceptionCheckpoint saves the checkpoint
     EXCEPTION = "exception_before_backward"  # every rank raises ValueError there; OnExceptionCheckpoint saves
 

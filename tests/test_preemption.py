@@ -6,7 +6,9 @@ under every stage; ``"ddp"`` is run at the same moments for comparison.
 
 Exact equality is the oracle: the resumed run and the uninterrupted one compute the same steps on the same ranks,
 data and reduction order from the same weights and optimizer state, so any difference is a step lost or repeated.
-Cost: one launch of 2 ranks, 33 short fits, about 2 minutes on the loaded 2-core development machine.
+A save killed half-way is a process that begins one and exits (its staging directory stays, as SLURM's kill after
+the signal's grace time leaves it). Cost: one launch of 2 ranks, 35 short fits, about 2 minutes on the loaded 2-core
+development machine.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def test_a_preempted_run_resumes_exactly_under_every_stage(tmp_path: Path, monke
         assert result["resumed_at"] == resumed_at(preemption), (stage, preemption, result)
         assert result["losses"] == result["uninterrupted_losses"][result["resumed_at"]:], (stage, preemption, result)
         assert result["saved"] == (["hpc_ckpt_1.ckpt"] if preemption in SIGUSR1 else []), (stage, preemption, result)
-        assert result["hidden"] == [], (stage, preemption, result)  # no staging directory left
+        assert result["hidden"] == [], (stage, preemption, result)  # no staging directory left, nor a dead save's
     requeues = (tmp_path / "scontrol.log").read_text().splitlines()
     assert requeues == [f"requeue {SLURM_JOB}"] * sum(p in SIGUSR1 for _, p in CASES + DDP_CASES)
     # "ddp" saves where the signal lands: after the optimizer stepped and before Lightning counted the step, the

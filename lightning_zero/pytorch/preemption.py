@@ -14,12 +14,22 @@ and its counters complete, nothing gathered, no collective in flight) the ranks 
 checkpoint holds the weights, optimizer state and counters of one step, and the job is requeued as before. A signal
 that lands during validation or a save waits for the next training batch; one that lands after the last batch is
 not acted on (the run has finished: nothing to requeue).
+
+The resumed job loads the ``hpc_ckpt`` with the highest number in ``default_root_dir``, which Lightning reads from
+every name there that holds ``hpc_ckpt_``, joining all its digits: a save killed half-way (SLURM's kill after the
+signal's grace time) leaves its hidden staging directory, ``.hpc_ckpt_2.ckpt.partial-<saver>-...``, whose digits make
+a number no checkpoint has. :func:`resumable` then loads the highest complete one instead, and removes such leftovers
+of savers that are dead.
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import re
 import signal
+import warnings
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -27,6 +37,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
+
+from lightning_zero._checkpoint import publish
+
+_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+_HPC_STAGING = re.compile(r"\.(hpc_ckpt_\d+\.ckpt)\.partial\b.*")  # a save's staging directory, see publish
 
 
 class Requeue(enum.Enum):
@@ -70,3 +85,29 @@ class DeferredRequeue:
         if signalled.item():
             self.state = Requeue.IDLE
             self._handler(self._signum, None)
+
+
+def resumable(path: Path, is_global_zero: bool) -> Path:
+    """``path``, or where ``path`` is an ``hpc_ckpt`` that does not exist (Lightning counted the digits of other names
+    that hold ``hpc_ckpt_``: a dead save's leftovers), the highest complete ``hpc_ckpt`` beside it, the same on every
+    rank; rank 0 removes the leftovers whose saver is dead."""
+    if _HPC_CHECKPOINT.fullmatch(path.name) is None or os.path.lexists(path) or not path.parent.is_dir():
+        return path
+    names = os.listdir(path.parent)
+    numbers = [int(m[1]) for name in names if (m := _HPC_CHECKPOINT.fullmatch(name))]
+    if not numbers:
+        return path
+    latest = path.parent / f"hpc_ckpt_{max(numbers)}.ckpt"
+    if is_global_zero:
+        leftovers = sorted({m[1] for name in names if (m := _HPC_STAGING.fullmatch(name))})
+        warnings.warn(
+            f"{path.name} does not exist: Lightning numbered it after other names in {path.parent} that hold"
+            f" `hpc_ckpt_` (leftovers of saves that did not finish, of {', '.join(leftovers) or 'no checkpoint'}: a"
+            f" job killed while saving), so {latest.name}, the latest complete one, is loaded; the leftovers whose"
+            " saver is dead are removed.",
+            stacklevel=2,
+        )
+        for name in leftovers:  # staging directories only: a kept copy is a checkpoint (hpc saves never make one)
+            target = path.parent / name
+            publish.reclaim(target, keep=publish.kept_copy(target).__eq__)
+    return latest

@@ -39,7 +39,7 @@ from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aw
 from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
-from lightning_zero.pytorch.preemption import DeferredRequeue
+from lightning_zero.pytorch.preemption import DeferredRequeue, resumable
 
 
 class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
@@ -354,7 +354,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
         a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = resumable(Path(self.broadcast(str(checkpoint_path))), self.is_global_zero)
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
@@ -400,9 +400,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Before Lightning's teardown of a failed run: the mode brings the module to rest (stage 3 may have units
-        gathered, which teardown could not move, and the user would see that error instead of their own). Should
-        that fail too, say so beside the user's exception, never instead of it."""
+        """Before Lightning's teardown of a failed run: the other ranks hear of the failure (see
+        ``lightning_zero._transport.failures``); the mode brings the module to rest (stage 3 may have units gathered,
+        which teardown could not move, and the user would see that error instead of their own; should that fail too,
+        say so beside the user's exception, never instead of it); the exception notes what the other ranks
+        announced."""
         super().on_exception(exception)
         failures.announce(exception)
         try:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -63,7 +65,8 @@ class PreemptedLM(TiedLM):
         return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        for point in (Preemption.BETWEEN_BACKWARD_AND_STEP, Preemption.RANK1_ONLY, Preemption.SIGTERM):
+        for point in (Preemption.BETWEEN_BACKWARD_AND_STEP, Preemption.RANK1_ONLY, Preemption.SIGTERM,
+                      Preemption.SAVE_KILLED):
             self._at(point)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
@@ -113,6 +116,18 @@ def fit(strategy: str, root: Path, preemption: Preemption | None = None, resume:
     return module
 
 
+def die_while_saving(target: Path) -> None:
+    """On rank 0, a process that begins a save to ``target`` and exits: its staging directory, with a shard file
+    begun, stays as a save killed half-way leaves it; then every rank goes on."""
+    if dist.get_rank() == 0:
+        code = (
+            "import sys; from pathlib import Path; from lightning_zero._checkpoint import publish;"
+            " (publish.make_staging_directory(Path(sys.argv[1])) / '__0_0.distcp').write_bytes(b'half a shard')"
+        )
+        subprocess.run([sys.executable, "-c", code, str(target)], check=True)
+    dist.barrier()
+
+
 def main(out: Path) -> None:
     payload = read_payload(out)
     rank = int(os.environ["RANK"])
@@ -126,6 +141,8 @@ def main(out: Path) -> None:
         truth, expected = truths[strategy]
         root = out / f"{strategy}-{preemption.value}"
         fit(strategy, root, preemption)
+        if preemption is Preemption.SAVE_KILLED:
+            die_while_saving(root / "hpc_ckpt_2.ckpt")
         resumed = fit(strategy, root, preemption, resume=True)
         got = weights(resumed)
         results[f"{strategy} {preemption.value}"] = {
