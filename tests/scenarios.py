@@ -332,6 +332,7 @@ class Preemption(enum.Enum):
     """Where in step ``SIGNAL_AT`` of ``tests/workers/preemption.py`` every rank (or one) sends itself a signal, or
     raises."""
 
+    IN_FORWARD = "sigusr1_in_forward"  # in a block's training forward (stage 3: that unit gathered)
     BEFORE_BACKWARD = "sigusr1_before_backward"  # in training_step, the loss computed (stage 3: the root gathered)
     BETWEEN_BACKWARD_AND_STEP = "sigusr1_between_backward_and_step"  # on_before_optimizer_step
     AFTER_STEP = "sigusr1_after_step"  # optimizer_step, once the optimizer stepped and before Lightning counts it

@@ -7,7 +7,7 @@ under every stage; ``"ddp"`` is run at the same moments for comparison.
 Exact equality is the oracle: the resumed run and the uninterrupted one compute the same steps on the same ranks,
 data and reduction order from the same weights and optimizer state, so any difference is a step lost or repeated.
 A save killed half-way is a process that begins one and exits (its staging directory stays, as SLURM's kill after
-the signal's grace time leaves it). Cost: one launch of 2 ranks, 35 short fits, about 2 minutes on the loaded 2-core
+the signal's grace time leaves it). Cost: one launch of 2 ranks, 37 short fits, about 2 minutes on the loaded 2-core
 development machine.
 """
 

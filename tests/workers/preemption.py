@@ -45,6 +45,11 @@ class PreemptedLM(TiedLM):
         super().__init__(scheduler=True)
         self.preemption = None if preemption is None else Preemption(preemption)
         self.resumed_at: int | None = None
+        self.blocks[1].register_forward_hook(self._in_forward)
+
+    def _in_forward(self, *_: Any) -> None:
+        if self.training:
+            self._at(Preemption.IN_FORWARD)
 
     def _at(self, point: Preemption) -> None:
         if self.preemption is not point or self.global_step != SIGNAL_AT:
