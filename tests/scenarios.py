@@ -326,6 +326,7 @@ class Fault(enum.Enum):
     RANK1_OUT_OF_MEMORY_IN_STEP = "rank1_out_of_memory_in_step"  # in training_step, before the forward
     RANK1_OUT_OF_MEMORY_IN_BACKWARD = "rank1_out_of_memory_in_backward"  # in a hook of the backward
     RANK1_OUT_OF_MEMORY_BEFORE_SAVE = "rank1_out_of_memory_before_save"  # no allocation: the checkpoint's save runs out
+    RANK1_OUT_OF_MEMORY_BEFORE_LOAD = "rank1_out_of_memory_before_load"  # the same for a resume's load
 
 
 class Preemption(enum.Enum):

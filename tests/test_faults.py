@@ -214,15 +214,17 @@ def test_a_killed_disk_offload_run_leaves_nothing_in_offload_dir(tmp_path: Path)
         ("zero2", Fault.RANK1_OUT_OF_MEMORY_IN_BACKWARD),
         ("zero3", Fault.RANK1_OUT_OF_MEMORY_IN_BACKWARD),
         ("zero3", Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE),
+        ("zero2", Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD),
     ],
-    ids=["ddp-step", "zero1-step", "zero2-backward", "zero3-backward", "zero3-save"],
+    ids=["ddp-step", "zero1-step", "zero2-backward", "zero3-backward", "zero3-save", "zero2-load"],
 )
 def test_a_rank_out_of_memory_ends_every_rank_within_seconds(strategy: str, fault: Fault, tmp_path: Path) -> None:
     """Rank 1 reaches its address-space limit (``RLIMIT_AS``) in a step, in the backward, or as a checkpoint's save
-    begins: both ranks end within seconds (as under ``"ddp"``, never after the strategy's timeout, here 60 s), rank 1
-    with the ``MemoryError``, rank 0 with an error that names rank 1 and its ``MemoryError`` (rank 0 stops waiting
-    once rank 1 announced it, not once rank 1 has exited); the save leaves no staging directory and nothing stays in
-    ``/dev/shm``. Without a bound on a new thread's start, rank 1 waited forever in the save's ``Thread.start``."""
+    or a resume's load begins: both ranks end within seconds (as under ``"ddp"``, never after the strategy's timeout,
+    here 60 s), rank 1 with the ``MemoryError``, rank 0 with an error that names rank 1 and its ``MemoryError`` (in a
+    shared-memory collective rank 0 stops waiting once rank 1 announced it, not once rank 1 has exited); the save
+    leaves no staging directory and nothing stays in ``/dev/shm``. Without a bound on a new thread's start, rank 1
+    waited forever in ``Thread.start`` in the save and the load (their checksum threads)."""
     procs = start_runs([FaultyRun(strategy, fault)], tmp_path)
     try:
         limited = wait_until_rank1_limited(procs, tmp_path)
@@ -240,6 +242,11 @@ def test_a_rank_out_of_memory_ends_every_rank_within_seconds(strategy: str, faul
             assert error["type"] == "CheckpointException", error["traceback"]
             assert "MemoryError: A new thread did not begin within" in error["traceback"], error["traceback"]
         assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    elif fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD:  # rank 0 waits in gloo, whose error names no rank: a note does
+        assert failed["type"] == "MemoryError", failed["traceback"]
+        assert "lightning_zero: rank 1 failed too, with MemoryError: A new thread did not begin within" in (
+            consequence["traceback"]
+        )
     else:
         assert failed["type"] == "MemoryError", failed["traceback"]
         if strategy != "ddp":  # DDP's error is gloo's `Connection closed by peer`, which names no rank
