@@ -19,7 +19,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# how long a new thread may take to run its first line: microseconds normally, far less than this on a loaded machine
+# how long a new thread may take to run its first line: microseconds, milliseconds on a loaded machine
 START_SECONDS = 5.0
 
 

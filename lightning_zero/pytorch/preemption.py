@@ -28,6 +28,7 @@ import enum
 import os
 import re
 import signal
+import threading
 import warnings
 from pathlib import Path
 from types import FrameType
@@ -67,8 +68,10 @@ class DeferredRequeue:
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return None
         signum = environment.requeue_signal
-        handler = signal.getsignal(signum) if signum is not None else None
-        if signum is None or not callable(handler):  # not the main thread, or Windows: Lightning registered nothing
+        if signum is None or threading.current_thread() is not threading.main_thread():
+            return None  # Windows, or a run off the main thread: Lightning registered no handler either
+        handler = signal.getsignal(signum)
+        if not callable(handler):
             return None
         deferred = cls(signum, handler)
         signal.signal(signum, deferred._record)  # Lightning's teardown puts back what was there before it
