@@ -332,12 +332,33 @@ class Fault(enum.Enum):
     ON_TRAIN_START = "on_train_start"  # every rank raises ValueError there, before any forward (at step 0)
     RANK1_STOPS_IN_STEP = "rank1_stops_in_step"  # rank 1 SIGSTOPs itself at the start of training_step
     RANK1_STOPS_BETWEEN_STEPS = "rank1_stops_between_steps"  # the same once the step has ended
+    # rank 1 reaches its address-space limit (RLIMIT_AS): a Python allocation raises MemoryError
+    RANK1_OUT_OF_MEMORY_IN_STEP = "rank1_out_of_memory_in_step"  # in training_step, before the forward
+    RANK1_OUT_OF_MEMORY_IN_BACKWARD = "rank1_out_of_memory_in_backward"  # in a hook of the backward
+    RANK1_OUT_OF_MEMORY_BEFORE_SAVE = "rank1_out_of_memory_before_save"  # no allocation: the checkpoint's save runs out
+    RANK1_OUT_OF_MEMORY_BEFORE_LOAD = "rank1_out_of_memory_before_load"  # the same for a resume's load
+
+
+class Preemption(enum.Enum):
+    """Where in step ``SIGNAL_AT`` of ``tests/workers/preemption.py`` every rank (or one) sends itself a signal, or
+    raises."""
+
+    IN_FORWARD = "sigusr1_in_forward"  # in a block's training forward (stage 3: that unit gathered)
+    BEFORE_BACKWARD = "sigusr1_before_backward"  # in training_step, the loss computed (stage 3: the root gathered)
+    BETWEEN_BACKWARD_AND_STEP = "sigusr1_between_backward_and_step"  # on_before_optimizer_step
+    AFTER_STEP = "sigusr1_after_step"  # optimizer_step, once the optimizer stepped and before Lightning counts it
+    DURING_SAVE = "sigusr1_during_save"  # on_save_checkpoint of a ModelCheckpoint's save
+    RANK1_ONLY = "sigusr1_rank1_only"  # on_before_optimizer_step, on rank 1 alone
+    # on_before_optimizer_step; then the next save dies half-way, leaving its staging directory (.hpc_ckpt_2.ckpt...)
+    SAVE_KILLED = "sigusr1_then_a_save_killed"
+    SIGTERM = "sigterm_between_backward_and_step"  # SIGTERM there; OnExceptionCheckpoint saves the checkpoint
+    EXCEPTION = "exception_before_backward"  # every rank raises ValueError there; OnExceptionCheckpoint saves
 
 
 @dataclass(frozen=True)
 class FaultyRun:
     """One ``fit`` of ``tests/workers/faults.py``: the stage-3 test module under ``strategy`` (``"zero1"``,
-    ``"zero2"`` or ``"zero3"``), broken by ``fault``."""
+    ``"zero2"``, ``"zero3"`` or ``"ddp"``, for comparison), broken by ``fault``."""
 
     strategy: str
     fault: Fault = Fault.NONE

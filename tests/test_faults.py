@@ -31,6 +31,9 @@ TIMEOUT = 5
 REPORTED_WITHIN = TIMEOUT + 3
 STEP_SLACK = 1.0  # seconds rank 0 may have waited in a collective before the stop: a step of the test model is faster
 EXITED_WITHIN = TIMEOUT + 20
+# a rank out of memory: "ddp" ends both ranks within about 7 s on the loaded development machine; a save adds up to
+# the 5 s a new thread may take to begin (lightning_zero._threads.START_SECONDS); never the 60 s timeout of these runs
+OUT_OF_MEMORY_EXITED_WITHIN = 20
 NO_SHM = {"LIGHTNING_ZERO_SHM_DISABLE": "1"}  # the point-to-point exchanges over gloo, as across hosts
 
 
@@ -201,3 +204,80 @@ def test_a_killed_disk_offload_run_leaves_nothing_in_offload_dir(tmp_path: Path)
     finally:
         kill_all(procs)
     assert list(offload_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fault"),
+    [
+        ("ddp", Fault.RANK1_OUT_OF_MEMORY_IN_STEP),
+        ("zero1", Fault.RANK1_OUT_OF_MEMORY_IN_STEP),
+        ("zero2", Fault.RANK1_OUT_OF_MEMORY_IN_BACKWARD),
+        ("zero3", Fault.RANK1_OUT_OF_MEMORY_IN_BACKWARD),
+        ("zero3", Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE),
+        ("zero2", Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD),
+    ],
+    ids=["ddp-step", "zero1-step", "zero2-backward", "zero3-backward", "zero3-save", "zero2-load"],
+)
+def test_a_rank_out_of_memory_ends_every_rank_within_seconds(strategy: str, fault: Fault, tmp_path: Path) -> None:
+    """Rank 1 reaches its address-space limit (``RLIMIT_AS``) in a step, in the backward, or as a checkpoint's save
+    or a resume's load begins: both ranks end within seconds (as under ``"ddp"``, never after the strategy's timeout,
+    here 60 s), rank 1 with the ``MemoryError``, rank 0 with an error that names rank 1 and its ``MemoryError`` (in a
+    shared-memory collective rank 0 stops waiting once rank 1 announced it, not once rank 1 has exited); the save
+    leaves no staging directory and nothing stays in ``/dev/shm``. Without a bound on a new thread's start, rank 1
+    waited forever in ``Thread.start`` in the save and the load (their checksum threads)."""
+    procs = start_runs([FaultyRun(strategy, fault)], tmp_path)
+    try:
+        limited = wait_until_rank1_limited(procs, tmp_path)
+        exits = wait_for_exit_times(procs, OUT_OF_MEMORY_EXITED_WITHIN, tmp_path)
+    finally:
+        kill_all(procs)
+    assert [proc.returncode for proc in procs] == [1, 1]
+    (failed,) = ended(tmp_path, 1)
+    (consequence,) = ended(tmp_path, 0)
+    caught = [error["caught_at"] - limited for error in (consequence, failed)]
+    print(f"{strategy} {fault.value}: after rank 1 reached its limit, ranks 0, 1 caught their errors"
+          f" {caught[0]:.1f} s, {caught[1]:.1f} s and exited {exits[0] - limited:.1f} s, {exits[1] - limited:.1f} s")
+    if fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE:  # DCP hands rank 1's error to every rank
+        for error in (failed, consequence):
+            assert error["type"] == "CheckpointException", error["traceback"]
+            assert "MemoryError: A new thread did not begin within" in error["traceback"], error["traceback"]
+        assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    elif fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD:  # rank 0 waits in gloo, whose error names no rank: a note does
+        assert failed["type"] == "MemoryError", failed["traceback"]
+        assert "lightning_zero: rank 1 failed too, with MemoryError: A new thread did not begin within" in (
+            consequence["traceback"]
+        )
+    else:
+        assert failed["type"] == "MemoryError", failed["traceback"]
+        if strategy != "ddp":  # DDP's error is gloo's `Connection closed by peer`, which names no rank
+            assert consequence["type"] == "PeerError", consequence["traceback"]
+            assert f"rank 1 (PID {procs[1].pid}) failed while this rank waited for it, with MemoryError" in (
+                consequence["message"]
+            )
+    assert not [entry for entry in Path("/dev/shm").iterdir() if any(f"-{p.pid}-" in entry.name for p in procs)]
+
+
+def wait_until_rank1_limited(procs: list[subprocess.Popen], tmp_path: Path) -> float:
+    """Until rank 1 is about to lower its memory limit; the wall-clock time it did."""
+    deadline = time.monotonic() + 120
+    marker = tmp_path / "rank1.limited"
+    while not marker.exists():
+        assert procs[1].poll() is None and time.monotonic() < deadline, log(tmp_path, 1)
+        time.sleep(0.05)
+    return marker.stat().st_mtime
+
+
+def wait_for_exit_times(procs: list[subprocess.Popen], seconds: float, tmp_path: Path) -> list[float]:
+    """The wall-clock time each rank exited, all within ``seconds`` from now."""
+    deadline = time.monotonic() + seconds
+    exits: dict[int, float] = {}
+    while len(exits) < len(procs):
+        for rank, proc in enumerate(procs):
+            if rank not in exits and proc.poll() is not None:
+                exits[rank] = time.time()
+        running = [rank for rank in range(len(procs)) if rank not in exits]
+        if running and time.monotonic() > deadline:
+            rank = running[0]
+            pytest.fail(f"rank {rank} still runs {seconds} s after the fault; its log:\n{log(tmp_path, rank)[-3000:]}")
+        time.sleep(0.05)
+    return [exits[rank] for rank in range(len(procs))]

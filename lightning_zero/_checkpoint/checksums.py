@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -31,6 +32,7 @@ from lightning_zero._checkpoint.containment import inside, open_file
 from lightning_zero._checkpoint.disk import os_error_in
 from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
 from lightning_zero._checkpoint.publish import fsync_file
+from lightning_zero._threads import in_thread
 
 CHECKSUM_FILE = "checksums.json"
 ALGORITHM = "zlib.crc32"
@@ -188,11 +190,14 @@ class ChecksummingWriter(FileSystemWriter):
             future = super().write_data(plan, planner)
             written = sorted({result.storage_data.relative_path for result in future.wait()})
             files = {name: Path(self.path) / name for name in written}
-            with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
-                synced = [pool.submit(fsync_file, file) for file in files.values()]
+            synced = []
+            try:
+                synced.extend(in_thread(partial(fsync_file, file)) for file in files.values())
                 self.sums = {name: sum_file(file) for name, file in files.items()}
-                for sync in synced:
-                    sync.result()
+            finally:
+                wait(synced)  # no thread outlives the save, however it ends
+            for sync in synced:
+                sync.result()
         except Exception as failure:
             self.os_error = os_error_in(failure)
             raise

@@ -29,7 +29,7 @@ import io
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from lightning_zero._checkpoint.unpickling import (
     load_torch_file,
     read_dcp_metadata,
 )
+from lightning_zero._threads import in_thread
 
 DCP_METADATA = ".metadata"
 META_FILE = "lightning_zero.pt"
@@ -187,21 +188,16 @@ class ShardCheck:
     def __init__(self, path: Path, record: Record | None, ranks: Ranks) -> None:
         self.ranks = ranks
         self._pending: Future[CheckpointError | None] | None = None
-        self._checker: ThreadPoolExecutor | None = None
         if record is not None:
             shards = {name: s for name, s in record.files.items() if name not in (DCP_METADATA, META_FILE)}
             mine = share(shards, ranks.rank, ranks.size)
             # a thread of its own, which ends with the check: a pool kept for later would not survive a fork
-            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_checksums")
-            self._pending = self._checker.submit(_checked, lambda: record.check_files(path, mine), path)
+            self._pending = in_thread(lambda: _checked(lambda: record.check_files(path, mine), path))
 
     def wait(self) -> None:
         """Return on every rank once every shard file is as written, or raise on every rank the first damage any
         rank found (collective). The check's thread has ended either way."""
-        verdict = None
-        if self._pending is not None and self._checker is not None:
-            verdict = self._pending.result()
-            self._checker.shutdown(wait=True)
+        verdict = None if self._pending is None else self._pending.result()
         self.ranks.agree(verdict)
 
     @contextmanager

@@ -25,9 +25,9 @@ Words used below:
 
 The channel opens when a group's first CPU collective runs, only if every rank can map every other rank's segment;
 otherwise (ranks on several hosts, no ``/dev/shm``) the group keeps gloo and results do not change, only speed.
-``LIGHTNING_ZERO_SHM_DISABLE=1`` keeps gloo everywhere. A rank that exits while its peers wait is noticed within a
-second (its PID is gone) and reported; one that stays alive but does not arrive is reported after the group's
-timeout (:mod:`.peers`), as gloo's own collectives do.
+``LIGHTNING_ZERO_SHM_DISABLE=1`` keeps gloo everywhere. A rank that fails while its peers wait is noticed within a
+second (it announced its failure, :mod:`.failures`, or its PID is gone) and reported; one that stays alive but does
+not arrive is reported after the group's timeout (:mod:`.peers`), as gloo's own collectives do.
 
 The files are named after the rank that creates them and unlinked as soon as every rank holds them; what a rank
 killed in between leaves is removed when the next channel opens (:mod:`lightning_zero._transport.shm_files`).
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_zero._files import reserved_mapping
-from lightning_zero._transport import labels, peers, shm_files
+from lightning_zero._transport import failures, labels, peers, shm_files
 
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
@@ -364,7 +364,9 @@ class Channel:
             if deadline is None:  # that wait took min(_POLL_SECONDS, timeout) of it
                 deadline = time.monotonic() + timeout - min(_POLL_SECONDS, timeout)
                 left = deadline - time.monotonic()
-            for rank in waiting.values():
+            for rank in waiting.values():  # what a failed peer announced says more than its exit
+                if (failure := failures.announced(dist.get_global_rank(self.group, rank))) is not None:
+                    self._break(failures.failed(_WHERE, self.rank, rank, failure, self._pids))
                 if rank in self._watched and self._watched[rank].is_dead():
                     self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
             if left <= 0:

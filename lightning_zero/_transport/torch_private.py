@@ -8,12 +8,16 @@ when a torch release moves it.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
   none has nothing to release.
+- the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
+  that does not expose it gets ``None``, and errors then do not name the other ranks' causes.
 """
 
 from __future__ import annotations
 
 import gc
 
+import torch.distributed as dist
+from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.utils import _sync_module_states as sync_module_states
@@ -43,10 +47,22 @@ def release_mesh_groups() -> None:
             getattr(obj, "_pg_registry", {}).clear()
 
 
+def default_store() -> Store | None:
+    """The key-value store of the default process group (the rendezvous' TCP store), or None outside a group."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None or not dist.is_initialized():
+        return None
+    try:
+        return get()
+    except (RuntimeError, ValueError):
+        return None
+
+
 __all__ = [
     "CUSTOM_COLLECTIVES",
     "AllGather",
     "ReduceScatter",
+    "default_store",
     "has_run_forward",
     "release_mesh_groups",
     "sync_module_states",

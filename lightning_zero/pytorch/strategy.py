@@ -35,8 +35,10 @@ from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, wr
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
+from lightning_zero.pytorch.preemption import DeferredRequeue, resumable
 
 
 class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
@@ -155,6 +157,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         )
 
     precision_plugin = zero_aware_plugin("_precision_plugin", zero_aware, Precision)
+    _requeue: DeferredRequeue | None = None  # SLURM's requeue signal, acted on between steps (auto-requeue runs)
 
     @override
     def _configure_launcher(self) -> None:
@@ -170,6 +173,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        failures.start_run()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -259,6 +263,19 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self.mode.after_backward()
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._requeue = DeferredRequeue.install(self._trainer())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Where a requeue signal is acted on: between two steps, on every rank at the same one (see
+        :mod:`.preemption`)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._requeue is not None:
+            self._requeue.at_batch_start(self.root_device)
+
+    @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         trainer = self._trainer()
@@ -336,7 +353,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
         a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = resumable(Path(self.broadcast(str(checkpoint_path))), self.is_global_zero)
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
@@ -382,10 +399,13 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Before Lightning's teardown of a failed run: the mode brings the module to rest (stage 3 may have units
-        gathered, which teardown could not move, and the user would see that error instead of their own). Should
-        that fail too, say so beside the user's exception, never instead of it."""
+        """Before Lightning's teardown of a failed run: the other ranks hear of the failure (see
+        ``lightning_zero._transport.failures``); the mode brings the module to rest (stage 3 may have units gathered,
+        which teardown could not move, and the user would see that error instead of their own; should that fail too,
+        say so beside the user's exception, never instead of it); the exception notes what the other ranks
+        announced."""
         super().on_exception(exception)
+        failures.announce(exception)
         try:
             self.mode.settle_after_failure()
         except Exception as error:
@@ -394,6 +414,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 " saving the module may fail as well. HINT: the failure above is the one to fix.",
                 stacklevel=2,
             )
+        failures.note_other_failures(exception)
 
     @classmethod
     @override

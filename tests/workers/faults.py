@@ -8,6 +8,11 @@ run ended and leaves a marker file the test waits on.
 itself after writing ``OUT/rank1.stopped``: in the step, rank 0 then waits in the forward; between steps, first in
 Lightning's broadcast at the start of the next.
 
+Rank 1 runs out of memory by lowering its address-space limit (``RLIMIT_AS``) to what it has mapped, after writing
+``OUT/rank1.limited``: in ``training_step`` or a hook of the backward it then allocates, which raises ``MemoryError``;
+before a save (a checkpoint after every step, into ``OUT/checkpoints``) the save itself runs out; before a load (a
+run of ``REACHED`` steps saves ``OUT/resume.ckpt``, the next resumes from it) the load does.
+
 Each rank writes ``OUT/rank<r>.reached`` once its first run has finished step ``REACHED``, and after each run that
 raised, ``OUT/rank<r>.json``: per run so far, the exception that left ``fit`` (type, message, the traceback Python
 would print) and the wall-clock time Lightning caught the first exception (before its teardown). The last run's
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -27,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from tests.scenarios import Fault, FaultyRun, cpu_trainer, read_payload
@@ -49,7 +58,33 @@ class FailingLM(TiedLM):
             raise ValueError(f"deliberate failure in training_step at step {RAISE_AT}")
         if self.fault is Fault.RANK1_STOPS_IN_STEP and self.global_step == RAISE_AT:
             self._stop_rank1()
-        return super().training_step(batch, batch_idx)
+        if self.fault is Fault.RANK1_OUT_OF_MEMORY_IN_STEP and self.global_step == RAISE_AT:
+            self._rank1_allocates_past_its_limit()
+        loss = super().training_step(batch, batch_idx)
+        if self.fault is Fault.RANK1_OUT_OF_MEMORY_IN_BACKWARD and self.global_step == RAISE_AT:
+            loss.register_hook(self._rank1_allocates_past_its_limit)
+        return loss
+
+    def on_fit_start(self) -> None:  # after the strategy's set-up, before a resume's load
+        if self.fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD:
+            self._limit_rank1()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE and self.global_step == RAISE_AT:
+            self._limit_rank1()
+
+    def _rank1_allocates_past_its_limit(self, *_: Any) -> None:
+        if self._limit_rank1():
+            bytearray(2**30)
+
+    def _limit_rank1(self) -> bool:
+        """On rank 1: no memory beyond what it has mapped now (and the marker is written first)."""
+        if self.global_rank != 1:
+            return False
+        (self.out / "rank1.limited").touch()
+        mapped = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (mapped, resource.RLIM_INFINITY))
+        return True
 
     def on_train_start(self) -> None:
         if self.fault is Fault.ON_TRAIN_START:  # before any forward, as a resume that fails to load raises
@@ -86,19 +121,36 @@ class Markers(pl.Callback):
 
 
 def fit(run: FaultyRun, timeout: float, offload_dir: Path | None, markers: Markers) -> None:
-    offload = {"offload_optimizer": "disk", "offload_dir": offload_dir} if offload_dir is not None else {}
-    strategy = ZeroStrategy(stage=int(run.strategy.removeprefix("zero")), timeout=timedelta(seconds=timeout), **offload)
+    callbacks: list[pl.Callback] = [markers]
+    if run.fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE:
+        callbacks.append(ModelCheckpoint(markers.out / "checkpoints", every_n_train_steps=1, save_top_k=-1))
+    resume = markers.out / "resume.ckpt" if run.fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD else None
+    if resume is not None:
+        pl.seed_everything(0)
+        saving = cpu_trainer(strategy_of(run, timeout, offload_dir), REACHED)
+        saving.fit(FailingLM(Fault.NONE, markers.out))
+        saving.save_checkpoint(resume)
+        torch.serialization.add_safe_globals([Fault, type(resume)])  # FailingLM's hyper-parameters
     pl.seed_everything(0)
     trainer = cpu_trainer(
-        strategy,
+        strategy_of(run, timeout, offload_dir),
         10**6,
         max_epochs=-1,
         val_check_interval=RAISE_AT,
         limit_val_batches=2 if run.fault is Fault.VALIDATION_STEP else 0,
         num_sanity_val_steps=0,
-        callbacks=[markers],
+        callbacks=callbacks,
+        enable_checkpointing=len(callbacks) > 1,
     )
-    trainer.fit(FailingLM(run.fault, markers.out))
+    trainer.fit(FailingLM(run.fault, markers.out), ckpt_path=resume)
+
+
+def strategy_of(run: FaultyRun, timeout: float, offload_dir: Path | None) -> Any:
+    limit = timedelta(seconds=timeout)
+    if run.strategy == "ddp":
+        return DDPStrategy(timeout=limit)
+    offload = {"offload_optimizer": "disk", "offload_dir": offload_dir} if offload_dir is not None else {}
+    return ZeroStrategy(stage=int(run.strategy.removeprefix("zero")), timeout=limit, **offload)
 
 
 def start_together(out: Path) -> None:
