@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -13,6 +14,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero._checkpoint.location import local_path
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.precision import take_over_scaler
@@ -73,6 +75,10 @@ class ZeroFrontEnd:
             ranks = self.num_nodes * self.num_processes
             self._mode = choose_mode(self.config, self.placement, ranks, self.num_processes)
         return self._mode
+
+    def _checkpoint_path(self, path: str | os.PathLike) -> Path:
+        """Rank 0's checkpoint ``path``, on every rank, as a local path (see :func:`.location.local_path`)."""
+        return local_path(self.broadcast(os.fspath(path)))  # type: ignore[attr-defined]
 
     def _refuse_storage_options(self, storage_options: Any | None) -> None:
         if storage_options is not None:

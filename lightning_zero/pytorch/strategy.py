@@ -31,8 +31,17 @@ from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.keys import SHARDED_KEYS
+from lightning_zero._checkpoint.location import local_path
 from lightning_zero._checkpoint.unpickling import Unpickling
-from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._checkpoint.whole import (
+    check_file,
+    gathered,
+    parameter_shapes,
+    whole_optimizer_state,
+    with_records,
+    write_file,
+)
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
@@ -306,11 +315,27 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpointed().module_state()
+        """``"sharded"``: every rank's entries, sharded ones as DTensors over its rows; ``"full"``: whole tensors on
+        the host of rank 0 and ``{}`` on the other ranks, as ``FSDPStrategy`` returns them (collective)."""
+        state = self._checkpointed().module_state()
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                return state
+            case StateDictType.FULL:
+                whole = gathered(state, self.is_global_zero)
+                return whole if self.is_global_zero else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointed().optimizer_state(optimizer)
+        """``"sharded"``: the state named by parameter, shards as DTensors; ``"full"``: on rank 0, the state dict of
+        whole tensors indexed by position that ``"ddp"`` returns, ``{}`` on the other ranks (collective)."""
+        named = self._checkpointed().optimizer_state(optimizer)
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                return named
+            case StateDictType.FULL:
+                whole = whole_optimizer_state(named, self.is_global_zero)
+                return whole if self.is_global_zero else {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -318,26 +343,27 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         ``state_dict_type="full"``, rank 0 writes one ordinary file there, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         assert self.lightning_module is not None
-        path = Path(self.broadcast(str(filepath)))
+        path = self._checkpoint_path(filepath)
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
                 self._checkpointed().save_directory(checkpoint, path)
-            case StateDictType.FULL:
-                whole = gathered_checkpoint(checkpoint, self.lightning_module, self.is_global_zero)
+            case StateDictType.FULL:  # the states are whole on rank 0 already (see `lightning_module_state_dict`)
                 if self.is_global_zero:
-                    write_file(path, whole)
+                    saves_optimizers = "optimizer_states" in checkpoint
+                    named = [self._checkpointed().optimizer_state(o) for o in self.optimizers if saves_optimizers]
+                    write_file(path, with_records(checkpoint, named, parameter_shapes(self.lightning_module)))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint at ``filepath``; a link there is removed, never what it points to."""
         if self.is_global_zero:
-            publish.remove(Path(filepath))
+            publish.remove(local_path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
         a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self._checkpoint_path(checkpoint_path)
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
@@ -363,8 +389,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         states = checkpoint["optimizer_states"]
         if not states:  # a checkpoint directory was loaded in place
             return
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            self._checkpointed().load_optimizer_state(optimizer, state)
+        records = checkpoint.get(SHARDED_KEYS) or [None] * len(states)
+        for optimizer, state, recorded in zip(self.optimizers, states, records, strict=True):
+            self._checkpointed().load_optimizer_state(optimizer, state, recorded)
 
     @contextmanager
     @override
@@ -406,7 +433,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self.mode.teardown()
         if self.mode.keeps_sync_batchnorm:
             self._layer_sync = None
-        super().teardown()
+        # Lightning's teardown moves the module to the host; inside the user's `torch.inference_mode()` that move
+        # could not swap stage 3's DTensor parameters (an inference tensor has no version counter)
+        with torch.inference_mode(False):
+            super().teardown()
 
 
 class Zero1Strategy(ZeroStrategy):
