@@ -87,6 +87,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             deepspeed_config=deepspeed_config,
             **{k: v for k, v in options.items() if k in known},
         )
+        if self.config.deepspeed_optimization is not None:
+            raise ValueError(
+                f"{self.config.deepspeed_optimization.source} has an `optimizer` or `scheduler` section, and a Fabric"
+                " loop builds its own. HINT: create them in your loop (DeepSpeed's `Adam` is `torch.optim.AdamW` with"
+                " `weight_decay=0` unless `adam_w_mode` is false) and drop those sections."
+            )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **set_by_fabric
         )

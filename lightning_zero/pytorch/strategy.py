@@ -17,13 +17,16 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -45,6 +48,7 @@ from lightning_zero._checkpoint.whole import (
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -193,11 +197,44 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)
+        """The optimizers of ``configure_optimizers`` or, where a ``deepspeed_config`` has an ``optimizer`` section,
+        the one it names with its ``scheduler`` (as ``DeepSpeedStrategy`` uses them), each set up to step here."""
+        sections = self.config.deepspeed_optimization
+        if sections is None:
+            super().setup_optimizers(trainer)
+        else:
+            self.optimizers, self.lr_scheduler_configs = self._from_deepspeed_config(sections)
         assert self.lightning_module is not None
         self.optimizers = self._set_up_optimizers(
             self.mode, self.lightning_module, self.optimizers, self.precision_plugin
         )
+
+    def _from_deepspeed_config(
+        self, sections: DeepSpeedOptimization
+    ) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+        """The config's optimizer (stepped per optimizer step, as DeepSpeed's engine steps it) in place of
+        ``configure_optimizers``; a ``scheduler`` section alone schedules the one optimizer ``configure_optimizers``
+        returns without a scheduler of its own."""
+        module = self.lightning_module
+        assert module is not None
+        if sections.optimizer_section is None:
+            optimizers, configs = _init_optimizers_and_lr_schedulers(module)
+            if len(optimizers) != 1 or configs:
+                raise ValueError(
+                    f"{sections.source} has a `scheduler` section for the optimizer, and `configure_optimizers`"
+                    f" returned {len(optimizers)} optimizer(s) and {len(configs)} scheduler(s). HINT: return one"
+                    " optimizer and no scheduler, or drop the config's `scheduler` section."
+                )
+            optimizer = optimizers[0]
+        else:
+            if is_overridden("configure_optimizers", module, LightningModule):
+                rank_zero_warn(
+                    f"{sections.source} has an `optimizer` section, which takes the place of `configure_optimizers`"
+                    " as under `DeepSpeedStrategy`. HINT: drop one of the two to silence this warning."
+                )
+            optimizer = sections.optimizer(module.parameters())
+        scheduler = sections.scheduler(optimizer)
+        return [optimizer], [] if scheduler is None else [LRSchedulerConfig(scheduler, interval="step")]
 
     @override
     def optimizer_step(
