@@ -34,6 +34,11 @@ RUNS = {
     "fabric_full_file": ["ddp", "zero2", "zero3"],
     "earlier_full_file": ["zero3"],
     "local_scheme": ["zero2"],
+    "sync_batchnorm": ["ddp", "zero2", "zero3"],
+    "recurrent": ["ddp", *ZERO],
+    "skipped_steps": ["ddp", *ZERO],
+    "storage_options": ["zero3"],
+    "save_filter": ["ddp", "zero3"],
 }
 
 
@@ -163,3 +168,35 @@ def test_local_urls_are_local_paths_and_other_schemes_are_refused(results: list[
             assert got[kind] == {"steps": 5, "exists": True}, kind
         assert got["stray"] == []
         assert "names the `s3://` filesystem" in got["remote"] and "HINT" in got["remote"]
+
+
+@pytest.mark.parametrize(("run", "strategies"), [("sync_batchnorm", ["zero2", "zero3"]), ("recurrent", ZERO)])
+def test_trains_as_ddp(results: list[dict], run: str, strategies: list[str]) -> None:
+    """``sync_batchnorm=True`` (then ``trainer.test`` in inference mode), and an LSTM, whose forward reads its
+    parameters through its own list of them: the weights (and BatchNorm's statistics) of ``"ddp"``."""
+    for rank in range(WORLD_SIZE):
+        for strategy in strategies:
+            close_states(results[rank][run][strategy]["weights"], results[rank][run]["ddp"]["weights"], strategy)
+
+
+@pytest.mark.parametrize("strategy", ZERO)
+def test_a_training_step_returning_none_skips_the_step_as_under_ddp(results: list[dict], strategy: str) -> None:
+    for rank in range(WORLD_SIZE):
+        ddp, got = results[rank]["skipped_steps"]["ddp"], results[rank]["skipped_steps"][strategy]
+        assert got["global_step"] == ddp["global_step"] and got["losses"] == FP32.approx(ddp["losses"])
+        close_states(got["weights"], ddp["weights"], strategy)
+
+
+def test_storage_options_are_refused_with_a_hint(results: list[dict]) -> None:
+    for rank in range(WORLD_SIZE):
+        error = results[rank]["storage_options"]["zero3"]["error"]
+        assert "takes no `storage_options`" in error and "HINT" in error
+
+
+def test_the_save_filter_keeps_what_ddp_keeps(results: list[dict]) -> None:
+    """``fabric.save(..., filter={"model": ...})``: the file and the directory hold the entries ``"ddp"``'s holds."""
+    for rank in range(WORLD_SIZE):
+        ddp = results[rank]["save_filter"]["ddp"]["full"]
+        assert ddp["model"] and all(k.endswith("weight") for k in ddp["model"])
+        for kind, got in results[rank]["save_filter"]["zero3"].items():
+            assert got == ddp, kind

@@ -49,7 +49,8 @@ class ZeroFrontEnd:
         ``zero_hpz_partition_size`` become this package's options, ``bf16``/``fp16`` master weights (and
         ``communication_data_type``, ``data_types.grad_accum_dtype`` the ``reduce_dtype``). One warning names the
         Trainer flags the config asks for (``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``) and every
-        key not acted on; DeepSpeed's own ``optimizer``/``scheduler`` and quantized ZeRO++ are refused. ``options``:
+        key not acted on; quantized ZeRO++ is refused. Its ``optimizer`` and ``scheduler`` sections are built by the
+        Trainer in place of ``configure_optimizers``, as ``DeepSpeedStrategy`` does (Fabric refuses them). ``options``:
         more of the strategy's arguments (an option the config sets as well must agree with it)."""
         return cls(deepspeed_config=config, **options)
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 import lightning_zero.fabric
@@ -203,6 +205,80 @@ def deepspeed_optimizer(name: str, out: Path) -> dict[str, Any]:
     }
 
 
+def sync_batchnorm(name: str) -> dict[str, Any]:
+    """``Trainer(sync_batchnorm=True)`` on a module with BatchNorm, then ``trainer.test`` inside
+    ``torch.inference_mode()``: the weights and running statistics of ``"ddp"``."""
+    torch.manual_seed(0)
+    model = Classifier(batch_norm=True)
+    trainer = cpu_trainer(trainer_strategy(name), max_steps=STEPS, sync_batchnorm=True)
+    trainer.fit(model)
+    with torch.inference_mode():
+        trainer.test(model, verbose=False)
+    return {"weights": {k: full(v).detach().clone() for k, v in model.state_dict().items()}}
+
+
+class Recurrent(LightningModule):
+    """An LSTM over short sequences, its last output classified: a module whose forward reads its parameters through
+    the LSTM's own list of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 10, num_layers=2, batch_first=True)
+        self.head = nn.Linear(10, 3)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out, _ = self.lstm(x)
+        loss = nn.functional.cross_entropy(self.head(out[:, -1]), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(5)
+        return DataLoader(
+            TensorDataset(torch.randn(64, 5, 6, generator=gen), torch.randint(0, 3, (64,), generator=gen)), batch_size=8
+        )
+
+
+def recurrent(name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Recurrent()
+    cpu_trainer(trainer_strategy(name), max_steps=STEPS).fit(model)
+    return {"weights": {k: full(v).detach().clone() for k, v in model.state_dict().items()}, "losses": model.losses}
+
+
+class SkipsOddSteps(Classifier):
+    """``training_step`` returns ``None`` on odd batches: Lightning skips their backward and optimizer step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+def skipped_steps(name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = SkipsOddSteps()
+    trainer = cpu_trainer(trainer_strategy(name), max_steps=STEPS)
+    trainer.fit(model)
+    weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+    return {"weights": weights, "losses": model.losses, "global_step": trainer.global_step}
+
+
+def storage_options(name: str, out: Path) -> dict[str, Any]:
+    """``trainer.save_checkpoint(..., storage_options=...)``: refused, as ``FSDPStrategy`` refuses it."""
+    trainer = cpu_trainer(trainer_strategy(name), max_steps=1)
+    trainer.fit(Classifier())
+    try:
+        trainer.save_checkpoint(out / f"{name}_options.ckpt", storage_options={"compress": True})
+    except TypeError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 # --- Fabric -------------------------------------------------------------------------------------------------------
 
 
@@ -275,6 +351,22 @@ def earlier_full_file(name: str, out: Path) -> dict[str, Any]:
     return loaded
 
 
+def save_filter(name: str, out: Path) -> dict[str, Any]:
+    """``fabric.save(path, state, filter=...)`` keeps only the module's weights that pass the filter, as ``"ddp"``
+    does, in a single file and in a directory (read back whole by ``fabric.load(path)``)."""
+    kept: dict[str, Any] = {}
+    kinds = ["full"] if name == "ddp" else ["full", "sharded"]
+    for kind in kinds:
+        options = {} if name == "ddp" else {"state_dict_type": kind}
+        fabric, model, optimizer = fabric_run(fabric_strategy(name, **options))
+        path = Path(fabric.broadcast(str(out / f"{name}_{kind}_filtered")))
+        state = {"model": model, "optimizer": optimizer, "steps": 3}
+        fabric.save(path, state, filter={"model": lambda key, value: key.endswith("weight")})
+        loaded = fabric.load(path)
+        kept[kind] = {"model": sorted(loaded["model"]), "others": sorted(k for k in loaded if k != "model")}
+    return kept
+
+
 def local_scheme(name: str, out: Path) -> dict[str, Any]:
     """``fabric.save("local://<absolute path>")`` and ``fabric.load`` of it, sharded and full; an ``s3://`` path."""
     got: dict[str, Any] = {}
@@ -303,6 +395,11 @@ RUNS: dict[str, Callable[..., dict[str, Any]]] = {
     "fabric_full_file": fabric_full_file,
     "earlier_full_file": earlier_full_file,
     "local_scheme": local_scheme,
+    "sync_batchnorm": lambda name, out: sync_batchnorm(name),
+    "recurrent": lambda name, out: recurrent(name),
+    "skipped_steps": lambda name, out: skipped_steps(name),
+    "storage_options": storage_options,
+    "save_filter": save_filter,
 }
 
 
