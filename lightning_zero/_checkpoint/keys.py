@@ -79,17 +79,18 @@ def file_record(
 ) -> dict[int, list[str]] | None:
     """What a single file records for one optimizer: ``sharded`` (its entries sharded like their parameter, by name)
     by parameter index, or ``None`` where :func:`like_parameter` on the ``whole`` state (named, see
-    :func:`named_optimizer_state`) tells the same, as it does for every optimizer whose per-parameter tensors are
-    shaped like the parameter (Adam, AdamW, SGD, ...)."""
+    :func:`named_optimizer_state`) with the parameters' ``shapes`` tells the same, as it does for every optimizer whose
+    per-parameter tensors are shaped like the parameter (Adam, AdamW, SGD, ...)."""
+    position = positions(whole["param_groups"])
+    record = {position[fqn]: list(entries) for fqn, entries in sharded.items() if entries}
+    if any(fqn not in shapes for fqn in whole["state"]):  # a parameter a save filter left out: no shape to rule by
+        return record
     ruled = {
         fqn: {entry for entry, value in entries.items() if like_parameter(entry, value, shapes[fqn])}
         for fqn, entries in whole["state"].items()
     }
     given = {fqn: set(entries) for fqn, entries in sharded.items() if entries}
-    if {fqn: entries for fqn, entries in ruled.items() if entries} == given:
-        return None
-    position = positions(whole["param_groups"])
-    return {position[fqn]: list(entries) for fqn, entries in sharded.items() if entries}
+    return None if {fqn: entries for fqn, entries in ruled.items() if entries} == given else record
 
 
 def sharded_entries(named: dict[str, Any], shapes: dict[str, torch.Size]) -> dict[str, list[str]]:

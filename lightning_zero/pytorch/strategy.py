@@ -34,6 +34,7 @@ from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.keys import SHARDED_KEYS
 from lightning_zero._checkpoint.location import local_path
 from lightning_zero._checkpoint.unpickling import Unpickling
@@ -426,6 +427,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         states = checkpoint["optimizer_states"]
         if not states:  # a checkpoint directory was loaded in place
             return
+        if len(states) != len(self.optimizers):
+            raise CheckpointError(
+                f"The checkpoint holds the state of {len(states)} optimizer(s), and `configure_optimizers` returned"
+                f" {len(self.optimizers)}. HINT: resume with the `configure_optimizers` it was saved with, or load"
+                " the weights alone (`LightningModule.load_from_checkpoint`)."
+            )
         records = checkpoint.get(SHARDED_KEYS) or [None] * len(states)
         for optimizer, state, recorded in zip(self.optimizers, states, records, strict=True):
             self._checkpointed().load_optimizer_state(optimizer, state, recorded)

@@ -24,12 +24,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 import lightning_zero.fabric
+from lightning_zero import CheckpointError
 from lightning_zero._checkpoint.keys import SHARDED_KEYS
 from lightning_zero._core.optimizers import unwrap
 from lightning_zero._wrap import CheckpointedForward
 from tests.oracle import full, full_optimizer_state
 from tests.scenarios import cpu_trainer, read_payload, save_results
-from tests.workers.modules import Classifier, fabric_step
+from tests.workers.modules import Classifier, ManualClassifier, fabric_step
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read now: Lightning's teardown removes it
 RANK = int(os.environ.get("RANK", 0))
@@ -205,18 +206,6 @@ def deepspeed_optimizer(name: str, out: Path) -> dict[str, Any]:
     }
 
 
-def sync_batchnorm(name: str) -> dict[str, Any]:
-    """``Trainer(sync_batchnorm=True)`` on a module with BatchNorm, then ``trainer.test`` inside
-    ``torch.inference_mode()``: the weights and running statistics of ``"ddp"``."""
-    torch.manual_seed(0)
-    model = Classifier(batch_norm=True)
-    trainer = cpu_trainer(trainer_strategy(name), max_steps=STEPS, sync_batchnorm=True)
-    trainer.fit(model)
-    with torch.inference_mode():
-        trainer.test(model, verbose=False)
-    return {"weights": {k: full(v).detach().clone() for k, v in model.state_dict().items()}}
-
-
 class Recurrent(LightningModule):
     """An LSTM over short sequences, its last output classified: a module whose forward reads its parameters through
     the LSTM's own list of them."""
@@ -252,7 +241,7 @@ def recurrent(name: str) -> dict[str, Any]:
 
 
 class SkipsOddSteps(Classifier):
-    """``training_step`` returns ``None`` on odd batches: Lightning skips their backward and optimizer step."""
+    """``training_step`` returns ``None`` on odd batches."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         loss = super().training_step(batch, batch_idx)
@@ -260,12 +249,54 @@ class SkipsOddSteps(Classifier):
 
 
 def skipped_steps(name: str) -> dict[str, Any]:
+    """Lightning refuses a skipped step in distributed training: the same error under every strategy."""
     torch.manual_seed(0)
-    model = SkipsOddSteps()
-    trainer = cpu_trainer(trainer_strategy(name), max_steps=STEPS)
-    trainer.fit(model)
-    weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
-    return {"weights": weights, "losses": model.losses, "global_step": trainer.global_step}
+    try:
+        cpu_trainer(trainer_strategy(name), max_steps=STEPS).fit(SkipsOddSteps())
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+class BuiltInConfigureModel(Classifier):
+    """The output layer built in ``configure_model``; records its parameters' dtype and device there and at
+    ``on_fit_start``."""
+
+    def configure_model(self) -> None:
+        self.head = nn.Linear(4, 4)
+        self.seen = {"configure_model": (self.head.weight.dtype, self.head.weight.device.type)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(x))
+
+    def on_fit_start(self) -> None:
+        self.seen["on_fit_start"] = (self.head.weight.dtype, self.head.weight.device.type)
+
+
+def configure_model_dtype(name: str) -> dict[str, Any]:
+    """Under each precision flag, the layers of ``configure_model`` have the flag's dtype, there and once set up."""
+    seen = {}
+    for precision in ("bf16-true", "32-true"):
+        torch.manual_seed(0)
+        model = BuiltInConfigureModel()
+        cpu_trainer(trainer_strategy(name), max_steps=1, precision=precision).fit(model)
+        seen[precision] = model.seen
+    return seen
+
+
+def optimizer_count(name: str, out: Path) -> dict[str, Any]:
+    """Resuming a file of one optimizer's state with two optimizers configured: refused by name."""
+    path = out / "one_optimizer.ckpt"
+    torch.manual_seed(0)
+    trainer = cpu_trainer("ddp" if name == "ddp" else trainer_strategy(name, state_dict_type="full"), max_steps=1)
+    trainer.fit(Classifier())
+    trainer.save_checkpoint(path)
+    trainer = cpu_trainer(trainer_strategy(name), max_steps=2)
+    try:
+        trainer.fit(ManualClassifier(two_optimizers=True), ckpt_path=path)
+    except CheckpointError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def storage_options(name: str, out: Path) -> dict[str, Any]:
@@ -395,11 +426,12 @@ RUNS: dict[str, Callable[..., dict[str, Any]]] = {
     "fabric_full_file": fabric_full_file,
     "earlier_full_file": earlier_full_file,
     "local_scheme": local_scheme,
-    "sync_batchnorm": lambda name, out: sync_batchnorm(name),
     "recurrent": lambda name, out: recurrent(name),
     "skipped_steps": lambda name, out: skipped_steps(name),
     "storage_options": storage_options,
     "save_filter": save_filter,
+    "configure_model_dtype": lambda name, out: configure_model_dtype(name),
+    "optimizer_count": optimizer_count,
 }
 
 
