@@ -261,3 +261,8 @@ def test_a_schedule_is_saved_and_resumed_as_torchs_are() -> None:
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     resumed.optimizer.param_groups[0]["lr"] = scheduler.optimizer.param_groups[0]["lr"]  # restored with the optimizer
     assert lrs_per_step(resumed, 5) == pytest.approx(lrs_per_step(scheduler, 5))
+
+
+def test_a_config_path_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"missing.json cannot be read: .*HINT: pass the path of DeepSpeed's JSON"):
+        lightning_zero.ZeroStrategy.from_deepspeed_config(tmp_path / "missing.json")
