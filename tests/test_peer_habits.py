@@ -40,6 +40,7 @@ RUNS = {
     "save_filter": ["ddp", "zero3"],
     "configure_model_dtype": ["ddp", "zero2", "zero3"],
     "optimizer_count": ["zero2"],
+    "compiled_fabric": ["ddp", "zero2", "zero3"],
 }
 
 
@@ -225,3 +226,16 @@ def test_a_file_of_fewer_optimizers_is_refused_by_name(results: list[dict]) -> N
     for rank in range(WORLD_SIZE):
         error = results[rank]["optimizer_count"]["zero2"]["error"]
         assert "holds the state of 1 optimizer(s), and `configure_optimizers` returned 2. HINT" in error
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_compiled_module_set_up_by_fabric_trains_as_under_ddp(results: list[dict], strategy: str) -> None:
+    """Fabric compiles again over what the strategy set up, as it does over FSDP's wrapper; its single file names the
+    parameters as ``"ddp"``'s does (no ``_orig_mod.``)."""
+    assert results[0]["compiled_fabric"][strategy]["saved"] == results[0]["compiled_fabric"]["ddp"]["saved"]
+    assert not any("_orig_mod" in key for key in results[0]["compiled_fabric"]["ddp"]["saved"])
+    for rank in range(WORLD_SIZE):
+        ddp, got = results[rank]["compiled_fabric"]["ddp"], results[rank]["compiled_fabric"][strategy]
+        assert got["compiled"] == ddp["compiled"] == "OptimizedModule"
+        assert got["losses"] == FP32.approx(ddp["losses"])
+        close_states(got["weights"], ddp["weights"], strategy)
