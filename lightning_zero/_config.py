@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_zero._deepspeed_config import deepspeed_options
+from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero._offload.target import OffloadTarget, check_directory
 from lightning_zero._wrap import ModuleFilter, ModulePolicy, RepeatedEntries, resolve_policy
 
@@ -103,10 +104,14 @@ class ZeroConfig:
     it proves that the sharded code paths run on the device and its backend (NCCL on a GPU), not the communication
     between several ranks."""
 
+    deepspeed_optimization: DeepSpeedOptimization | None = None
+    """Not an option of its own: the ``optimizer`` and ``scheduler`` sections of a ``deepspeed_config``, which the
+    Trainer builds in place of what ``configure_optimizers`` returns (see :mod:`lightning_zero._deepspeed_optim`)."""
+
     @classmethod
     def option_names(cls) -> list[str]:
         """The names of the ZeRO options, ``stage`` first."""
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.name != "deepspeed_optimization"]
 
     @classmethod
     def for_strategy(
@@ -197,7 +202,7 @@ class ZeroConfig:
         if given["offload_parameters"] and stage != Stage.PARAMETERS:
             raise ValueError(
                 f"`offload_parameters=True` moves the parameter shards of stage 3 to the host; stage {stage} keeps full"
-                " parameters on the device. HINT: use `Zero3Strategy` (or `\"zero3_offload\"`), or offload only the"
+                ' parameters on the device. HINT: use `Zero3Strategy` (or `"zero3_offload"`), or offload only the'
                 " optimizer with `offload_optimizer=True`."
             )
         offload = _resolve_offload(given["offload_optimizer"])
@@ -218,6 +223,7 @@ class ZeroConfig:
             offload_dir=_resolve_offload_dir(offload, given["offload_dir"]),
             shard_group_size=group_size,
             state_dict_type=StateDictType(state_dict_type),
+            deepspeed_optimization=given["deepspeed_optimization"],
         )
 
     @property
@@ -254,6 +260,8 @@ def _with_deepspeed_config(
         given[name] = value
     stage = given.pop("stage")
     return stage, {k: v for k, v in given.items() if k in options or v != defaults[k]}
+
+
 _SWITCHES = ("broadcast_buffers", "master_weights", "offload_parameters", "pin_memory", "sharded_on_one_device")
 
 
@@ -293,6 +301,6 @@ def _resolve_offload(value: object) -> OffloadTarget:
         case "disk" | "nvme":
             return OffloadTarget.DISK
     raise ValueError(
-        f"`offload_optimizer={value!r}` is not a place for the optimizer. HINT: use False, True (or \"cpu\") for host"
-        " memory, or \"disk\" with `offload_dir` for memory-mapped files."
+        f'`offload_optimizer={value!r}` is not a place for the optimizer. HINT: use False, True (or "cpu") for host'
+        ' memory, or "disk" with `offload_dir` for memory-mapped files.'
     )

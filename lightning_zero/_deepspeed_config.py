@@ -1,9 +1,10 @@
 """A DeepSpeed config (JSON file or dict) read as this package's options: ``ZeroStrategy.from_deepspeed_config`` and
 the strategies' ``deepspeed_config`` argument.
 
-What maps to a ZeRO option is taken; what is a Trainer flag (precision, clipping, accumulation) is named in a
-warning with the flag to set, together with every key not acted on; a key whose absence here would change what
-training computes (DeepSpeed's own optimizer or scheduler, quantized communication, stage 0) is refused.
+What maps to a ZeRO option is taken; DeepSpeed's ``optimizer`` and ``scheduler`` sections become the torch objects
+that compute the same (:mod:`lightning_zero._deepspeed_optim`); what is a Trainer flag (precision, clipping,
+accumulation) is named in a warning with the flag to set, together with every key not acted on; a key whose absence
+here would change what training computes (quantized communication, stage 0) is refused.
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# Keys whose absence here would change what training computes: refused, with what to do instead.
-_REFUSED_TOP = {
-    "optimizer": "define the optimizer in `configure_optimizers` (Fabric: create it yourself)",
-    "scheduler": "define the scheduler in `configure_optimizers` (Fabric: create it yourself)",
-}
+from lightning_zero._deepspeed_optim import DeepSpeedOptimization
+
 _REFUSED_ZERO = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
 _DEFAULT_CLIPPING = 1.0
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16"}
@@ -48,6 +46,9 @@ def deepspeed_options(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
     values, source = read_deepspeed_config(config)
     reader = _Reader(source)
     options = reader.zero(_given(values.pop("zero_optimization", {})))
+    optimizer, scheduler = values.pop("optimizer", None), values.pop("scheduler", None)
+    if optimizer is not None or scheduler is not None:
+        options["deepspeed_optimization"] = DeepSpeedOptimization.read(optimizer, scheduler, source)
     given = _given(values)
     # DeepSpeed (0.19.8) clips at a global norm of 1.0 where the config says nothing
     given.setdefault("gradient_clipping", _DEFAULT_CLIPPING)
@@ -132,8 +133,6 @@ class _Reader:
         self.ignored += [f"zero_optimization.offload_param.{k}" for k in section]
 
     def top(self, key: str, value: Any, options: dict[str, Any]) -> None:
-        if key in _REFUSED_TOP:
-            self.refuse(key, "is DeepSpeed's own; without it training would differ", _REFUSED_TOP[key])
         match key:
             case "bf16" | "fp16":
                 self.precision(key, _given(value), options)
@@ -184,4 +183,3 @@ class _Reader:
             parts.append(f"not acted on: {', '.join(self.ignored)}")
         if parts:
             warnings.warn(f"{self.source}: " + "; ".join(parts) + ".", stacklevel=6)
-

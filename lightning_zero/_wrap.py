@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import checkpoint
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -198,7 +200,17 @@ class CheckpointedForward:
 
 def apply_activation_checkpointing(root: nn.Module, policy: ModulePolicy) -> list[str]:
     """Checkpoint the outermost modules ``policy`` picks (a picked module inside another is covered by it);
-    return their names. Calling it again on the same module changes nothing."""
+    return their names. Calling it again on the same module changes nothing. A module that checkpoints layers itself
+    (torch's ``CheckpointWrapper``) is left as it is, with a warning, as ``FSDPStrategy`` leaves it: checkpointing
+    inside checkpointing would recompute those layers twice."""
+    wrapped = [name for name, module in root.named_modules() if isinstance(module, CheckpointWrapper)]
+    if wrapped:
+        rank_zero_warn(
+            f"`activation_checkpointing` is set, but the model checkpoints layers itself (torch's `CheckpointWrapper`"
+            f" at {', '.join(f'`{n}`' for n in wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}): the option is"
+            " ignored. HINT: drop `activation_checkpointing`, or the model's own wrappers."
+        )
+        return []
     names: list[str] = []
     for name, module in _unique(policy.pick(root)):
         if isinstance(module, _NEVER_CALLED) or any(name.startswith(f"{outer}.") for outer in names):

@@ -106,10 +106,15 @@ def whole_checkpoint(
         read = partial(_read, path, metadata, unpickling, advance)
         checkpoint["state_dict"] = {fqn: read(keys.model_key(fqn)) for fqn in keys.model_entries(entries)}
         if not weights_only:
-            checkpoint["optimizer_states"] = [
-                _optimizer_state(read, index, groups, meta["sharded"].get(index, {}), metadata)
-                for index, groups in sorted(meta["param_groups"].items())
-            ]
+            indices = sorted(meta["param_groups"])
+            named_states = [_optimizer_state(read, i, meta["param_groups"][i], metadata) for i in indices]
+            shapes = {fqn: value.shape for fqn, value in checkpoint["state_dict"].items()}
+            # `"ddp"`'s optimizer states, and a record beside them only where the rule would not tell
+            sharded = [meta["sharded"].get(i, {}) for i in indices]
+            records = [keys.file_record(s, named, shapes) for s, named in zip(sharded, named_states, strict=True)]
+            checkpoint["optimizer_states"] = [keys.indexed_optimizer_state(named)[0] for named in named_states]
+            if any(record is not None for record in records):
+                checkpoint[keys.SHARDED_KEYS] = records
     if weights_only:
         for key in ("optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
@@ -143,11 +148,10 @@ def _nbytes(entry: Any) -> int:
 
 
 def _optimizer_state(
-    read: Callable[[str], Any], index: int, groups: list[dict[str, Any]], sharded: dict[str, list[str]], metadata: Any
+    read: Callable[[str], Any], index: int, groups: list[dict[str, Any]], metadata: Any
 ) -> dict[str, Any]:
+    """Optimizer ``index``'s state, whole and named (see :func:`.keys.named_optimizer_state`)."""
     named: dict[str, dict[str, Any]] = {}
     for key, fqn, name in keys.optimizer_entries(metadata.state_dict_metadata, index):
         named.setdefault(fqn, {})[name] = read(key)
-    state_dict, position = keys.indexed_optimizer_state({"state": named, "param_groups": groups})
-    state_dict[keys.SHARDED_KEYS] = {position[fqn]: entries for fqn, entries in sharded.items()}
-    return state_dict
+    return {"state": named, "param_groups": groups}

@@ -3,9 +3,12 @@ named in one warning, what would change results is refused."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,7 +70,16 @@ def test_buckets_nvme_and_reduce_dtype_from_a_json_file(tmp_path: Path) -> None:
     ("config", "match"),
     [
         ({"zero_optimization": {"stage": 0}}, r"stage` is 0, which shards nothing. HINT: use `strategy=\"ddp\"`"),
-        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}, "`optimizer` is DeepSpeed's own.*HINT"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "'Lamb': LAMB is not in `torch.optim`"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "OneBitAdam"}}, "compresses what ranks exchange"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, "'auto'"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1}}}, "clip"),
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lrr": 1}}}, "keyword.*'lrr'"),
+        ({"zero_optimization": {"stage": 2}, "scheduler": {"type": "LRRangeTest"}}, "'LRRangeTest'. HINT: use one"),
+        (
+            {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+            "warmup_num_steps must be a positive integer",
+        ),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantizes.*HINT"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "host memory only here. HINT"),
         ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "one of bf16"),
@@ -103,3 +115,154 @@ def test_named_in_a_lightning_cli_config(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="gradient_clip_val=1.0"):  # DeepSpeed's default, named
         cli = LightningCLI(FixtureModel, run=False, args=["--config", str(cli_config)])
     assert cli.trainer.strategy.config.stage is Stage.PARAMETERS and cli.trainer.strategy.config.offload_parameters
+
+
+def test_fabric_refuses_the_optimizer_and_scheduler_sections() -> None:
+    """A Fabric loop builds its own optimizer: the sections are refused, with DeepSpeed's meaning of its ``Adam``."""
+    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0, "optimizer": {"type": "Adam"}}
+    with pytest.raises(ValueError, match=r"a Fabric loop builds its own. HINT: .*`torch.optim.AdamW`"):
+        FabricZeroStrategy.from_deepspeed_config(config)
+
+
+# --- the optimizer and scheduler sections, as DeepSpeed builds them ---------------------------------------------------
+
+
+def built(optimizer: dict | None, scheduler: dict | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0}
+    config |= {"optimizer": optimizer} if optimizer else {}
+    config |= {"scheduler": scheduler} if scheduler else {}
+    sections = lightning_zero.ZeroStrategy.from_deepspeed_config(config).config.deepspeed_optimization
+    params = [torch.nn.Parameter(torch.randn(3))]
+    opt = sections.optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.1)
+    return opt, sections.scheduler(opt)
+
+
+@pytest.mark.parametrize(
+    ("section", "cls", "defaults"),
+    [
+        # DeepSpeed's "Adam" is FusedAdam in AdamW mode, weight decay 0 unless given
+        ({"type": "Adam", "params": {"lr": 3e-4}}, torch.optim.AdamW, {"lr": 3e-4, "weight_decay": 0.0}),
+        ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, torch.optim.Adam, {"lr": 1e-3}),
+        ({"type": "AdamW", "params": {"betas": [0.8, 0.9], "eps": 1e-6}}, torch.optim.AdamW, {"eps": 1e-6}),
+        # `torch_adam` hands the parameters to torch as they are: torch's AdamW decays by 0.01
+        ({"type": "AdamW", "params": {"torch_adam": True}}, torch.optim.AdamW, {"weight_decay": 0.01}),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD, {"momentum": 0.9}),
+        ({"type": "Adagrad", "params": {"lr": 0.1}}, torch.optim.Adagrad, {"lr": 0.1}),
+    ],
+)
+def test_the_optimizer_section_builds_what_deepspeed_builds(section: dict, cls: type, defaults: dict) -> None:
+    optimizer, scheduler = built(section)
+    assert type(optimizer) is cls and scheduler is None
+    for key, value in defaults.items():
+        assert optimizer.defaults[key] == value, key
+
+
+def lrs_per_step(scheduler: Any, steps: int) -> list[float]:
+    """The learning rate each of ``steps`` optimizer steps runs at, the scheduler stepped after each (as DeepSpeed's
+    engine and Lightning's ``interval="step"`` both do)."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+# DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py), by the iteration i = step - 1 that step `step` runs at
+# (i = -1 for the first step, before the scheduler has stepped): written out here from DeepSpeed's definitions.
+
+
+def warmup(i: int, low: float, high: float, steps: int, kind: str) -> float:
+    steps = max(2, steps)
+    if i < 0:
+        return low
+    if i >= steps:
+        return high
+    gamma = math.log(i + 1) / math.log(steps) if kind == "log" else i / steps
+    return low + (high - low) * gamma
+
+
+def warmup_decay(i: int, low: float, high: float, steps: int, kind: str, total: int) -> float:
+    if i < max(2, steps):
+        return warmup(i, low, high, steps, kind)
+    return low + (high - low) * max(0.0, (total - i) / max(1.0, total - max(2, steps)))
+
+
+def warmup_cosine(i: int, lr: float, min_ratio: float, steps: int, cos_min: float, total: int, kind: str) -> float:
+    if i < 0:
+        return 0.0
+    if i < steps:
+        return lr * (min_ratio + (1 - min_ratio) * warmup(i, 0.0, 1.0, steps, kind))
+    progress = min(1.0, (i - steps + 1) / max(1, total - steps))
+    return lr * max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+def one_cycle(i: int, low: float, high: float, up: int, down: int, decay_rate: float, decay_every: int) -> float:
+    if i < 0:
+        return low
+    if i < up + down:  # a triangle: up over `up` iterations, counted from i + 1, then down
+        at = i + 1
+        x = 1 + at / (up + down) - math.floor(1 + at / (up + down))
+        ratio = up / (up + down)
+        return low + (high - low) * (x / ratio if x <= ratio else (x - 1) / (ratio - 1))
+    return low / (1 + decay_rate * (i - (up + down) + 1) / decay_every)
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_schedules_follow_deepspeeds_formulas(kind: str) -> None:
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5, "warmup_type": kind}
+    _, scheduler = built(None, {"type": "WarmupLR", "params": params})
+    assert lrs_per_step(scheduler, 9) == pytest.approx([warmup(s - 1, 0.01, 0.1, 5, kind) for s in range(9)])
+    _, scheduler = built(None, {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": 10}})
+    expected = [warmup_decay(s - 1, 0.01, 0.1, 5, kind, 10) for s in range(13)]
+    assert lrs_per_step(scheduler, 13) == pytest.approx(expected)
+    assert expected[-1] == 0.01 and max(expected) == pytest.approx(0.1)  # down to warmup_min_lr, past the end too
+    cosine = {"total_num_steps": 10, "warmup_min_ratio": 0.1, "warmup_num_steps": 4, "cos_min_ratio": 0.01}
+    _, scheduler = built({"type": "SGD", "params": {"lr": 0.2}}, {"type": "WarmupCosineLR", "params": cosine})
+    expected = [warmup_cosine(s - 1, 0.2, 0.1, 4, 0.01, 10, "log") for s in range(13)]
+    assert lrs_per_step(scheduler, 13) == pytest.approx(expected)
+
+
+def test_warmup_lr_reaches_the_optimizers_lr_by_default() -> None:
+    _, scheduler = built(
+        {"type": "SGD", "params": {"lr": 0.3}}, {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    )
+    assert lrs_per_step(scheduler, 5) == pytest.approx([warmup(s - 1, 0.0, 0.3, 3, "log") for s in range(5)])
+
+
+def test_one_cycle_follows_deepspeeds_formula_with_its_momentum() -> None:
+    params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "cycle_second_step_size": 2,
+              "decay_lr_rate": 0.5, "decay_step_size": 2, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}  # fmt: skip
+    optimizer, scheduler = built({"type": "Adam", "params": {"lr": 0.5}}, {"type": "OneCycle", "params": params})
+    betas = []
+    lrs = []
+    for _ in range(12):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        betas.append(optimizer.param_groups[0]["betas"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([one_cycle(s - 1, 0.01, 0.1, 4, 2, 0.5, 2) for s in range(12)])
+    assert max(lrs) == pytest.approx(0.1)
+    # momentum runs against the learning rate, from cycle_max_mom down to cycle_min_mom; DeepSpeed's beta2 is 0.99
+    expected_momentum = [0.85] + [0.95 - (0.95 - 0.85) * (lr - 0.01) / 0.09 for lr in lrs[1:6]] + [0.95] * 6
+    assert [b[0] for b in betas] == pytest.approx(expected_momentum)
+    assert {b[1] for b in betas} == {0.99}
+
+
+def test_a_schedule_is_saved_and_resumed_as_torchs_are() -> None:
+    """Its state is numbers only (a checkpoint loads it with ``weights_only=True``) and resumes at the same step."""
+    params = {"warmup_num_steps": 4, "total_num_steps": 8, "warmup_max_lr": 0.1}
+    _, scheduler = built(None, {"type": "WarmupDecayLR", "params": params})
+    lrs_per_step(scheduler, 3)
+    buffer = io.BytesIO()
+    torch.save(scheduler.state_dict(), buffer)
+    buffer.seek(0)
+    _, resumed = built(None, {"type": "WarmupDecayLR", "params": params})
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    resumed.optimizer.param_groups[0]["lr"] = scheduler.optimizer.param_groups[0]["lr"]  # restored with the optimizer
+    assert lrs_per_step(resumed, 5) == pytest.approx(lrs_per_step(scheduler, 5))
+
+
+def test_a_config_path_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"missing.json cannot be read: .*HINT: pass the path of DeepSpeed's JSON"):
+        lightning_zero.ZeroStrategy.from_deepspeed_config(tmp_path / "missing.json")

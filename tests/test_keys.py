@@ -83,3 +83,24 @@ def test_a_record_wins_over_the_shape_rule() -> None:
     assert not keys.sharded_with_parameter(None, 0, "exp_avg", torch.zeros(2), shape)
     assert not keys.sharded_with_parameter({0: ["momentum"]}, 0, "exp_avg", like, shape)
     assert keys.sharded_with_parameter({0: ["momentum"]}, 0, "momentum", torch.zeros(2), shape)
+
+
+def test_a_file_records_the_sharded_entries_only_where_the_rule_would_not_tell() -> None:
+    """Adam's moments are shaped like their parameter: the rule tells, so a single file holds no record (its optimizer
+    states are ``"ddp"``'s). An entry sharded in another shape (a factored second moment), or a parameter whose shape
+    a save filter left out of the file, needs the record, by parameter index."""
+    shapes = {"w": torch.Size((4, 2)), "b": torch.Size((4,))}
+    groups = [{"params": ["w", "b"], "lr": 0.1}]
+    whole = {
+        "state": {"w": {"exp_avg": torch.zeros(4, 2), "step": torch.tensor(3.0)}, "b": {"exp_avg": torch.zeros(4)}}
+    }
+    whole["param_groups"] = groups
+    adam = {"w": ["exp_avg"], "b": ["exp_avg"]}
+    assert keys.file_record(adam, whole, shapes) is None
+    whole["state"]["w"]["row_var"] = torch.zeros(4)
+    assert keys.file_record({**adam, "w": ["exp_avg", "row_var"]}, whole, shapes) == {
+        0: ["exp_avg", "row_var"],
+        1: ["exp_avg"],
+    }
+    del whole["state"]["w"]["row_var"]
+    assert keys.file_record(adam, whole, {"b": shapes["b"]}) == {0: ["exp_avg"], 1: ["exp_avg"]}

@@ -232,3 +232,9 @@ def test_a_subclass_of_zero_strategy_takes_any_stage(front_end: str) -> None:
         pass
 
     assert [int(Mine(stage=stage).stage) for stage in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_unknown_state_dict_type_is_named() -> None:
+    """As ``FSDPStrategy`` refuses one, naming the two kinds there are."""
+    with pytest.raises(ValueError, match=r"`state_dict_type='local'` is not a kind of checkpoint. HINT: pass"):
+        lightning_zero.Zero3Strategy(state_dict_type="local")

@@ -9,8 +9,10 @@ A checkpoint directory holds one flat state dict whose keys never nest, so param
 
 Optimizer state is named by parameter rather than numbered, so it loads into any layout of the same parameters; an
 entry *like its parameter* (a tensor of the parameter's shape, other than ``step``) is sharded with it. A checkpoint
-records which entries those were, in the directory's metadata and, consolidated, under :data:`SHARDED_KEYS` of each
-optimizer state; older ones without a record fall back to the rule.
+records which entries those were in the directory's metadata; a single file, whose optimizer states are exactly the
+``state`` and ``param_groups`` of ``"ddp"``'s, records them under its own top-level :data:`SHARDED_KEYS` only where the
+rule applied to the whole tensors would tell otherwise (see :func:`file_record`). Files without a record fall back to
+the rule; files of earlier releases kept it inside each optimizer state.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 MODEL = "model/"
-# In a single-file checkpoint: per parameter index, the state entries that are shaped (and sharded) like it.
+# In a single-file checkpoint, at its top level where the rule does not suffice: per optimizer (a list in the order of
+# "optimizer_states", or a dict by the optimizers' names in a Fabric file), per parameter index, the state entries
+# sharded like it. Files of earlier releases kept one such dict inside each optimizer state, under the same name.
 SHARDED_KEYS = "lightning_zero_sharded_keys"
 
 ShardedEntries = dict[int, dict[str, list[str]]]  # per optimizer index, per parameter name: its entries sharded like it
@@ -70,6 +74,33 @@ def sharded_with_parameter(
     return like_parameter(entry, value, shape)
 
 
+def file_record(
+    sharded: dict[str, list[str]], whole: dict[str, Any], shapes: dict[str, torch.Size]
+) -> dict[int, list[str]] | None:
+    """What a single file records for one optimizer: ``sharded`` (its entries sharded like their parameter, by name)
+    by parameter index, or ``None`` where :func:`like_parameter` on the ``whole`` state (named, see
+    :func:`named_optimizer_state`) with the parameters' ``shapes`` tells the same, as it does for every optimizer whose
+    per-parameter tensors are shaped like the parameter (Adam, AdamW, SGD, ...)."""
+    position = positions(whole["param_groups"])
+    record = {position[fqn]: list(entries) for fqn, entries in sharded.items() if entries}
+    if any(fqn not in shapes for fqn in whole["state"]):  # a parameter a save filter left out: no shape to rule by
+        return record
+    ruled = {
+        fqn: {entry for entry, value in entries.items() if like_parameter(entry, value, shapes[fqn])}
+        for fqn, entries in whole["state"].items()
+    }
+    given = {fqn: set(entries) for fqn, entries in sharded.items() if entries}
+    return None if {fqn: entries for fqn, entries in ruled.items() if entries} == given else record
+
+
+def sharded_entries(named: dict[str, Any], shapes: dict[str, torch.Size]) -> dict[str, list[str]]:
+    """The entries of a live named optimizer state that are sharded like their parameter, by parameter name."""
+    return {
+        fqn: [entry for entry, value in entries.items() if like_parameter(entry, value, shapes[fqn])]
+        for fqn, entries in named["state"].items()
+    }
+
+
 # --- the flat state dict ---------------------------------------------------------------------------------------------
 
 
@@ -111,6 +142,11 @@ def indexed_optimizer_state(named: dict[str, Any]) -> tuple[dict[str, Any], dict
         groups.append({**group, "params": ids})
     state = {index[fqn]: entries for fqn, entries in named["state"].items()}
     return {"state": state, "param_groups": groups}, index
+
+
+def positions(named_groups: list[dict[str, Any]]) -> dict[str, int]:
+    """The index :func:`indexed_optimizer_state` gives each parameter name of the named ``param_groups``."""
+    return indexed_optimizer_state({"state": {}, "param_groups": named_groups})[1]
 
 
 def module_names(module: nn.Module) -> dict[int, str]:

@@ -163,11 +163,15 @@ def _indexed_state(
 # --- loading a single-file checkpoint --------------------------------------------------------------------------------
 
 
-def load_full_optimizer_state(entries: OptimizerEntries, state_dict: dict[str, Any]) -> None:
-    """Load a ``state_dict`` of whole tensors into an optimizer of any mode: each entry recorded (or, without a
-    record, shaped) like its parameter becomes a DTensor laid out like the tensor the optimizer updates (this rank's
-    rows, on that tensor's device, no communication); the rest loads as it is."""
-    recorded: dict[int, list[str]] | None = state_dict.get(keys.SHARDED_KEYS)
+def load_full_optimizer_state(
+    entries: OptimizerEntries, state_dict: dict[str, Any], recorded: dict[int, list[str]] | None = None
+) -> None:
+    """Load a ``state_dict`` of whole tensors into an optimizer of any mode: each entry ``recorded`` (the file's
+    :data:`.keys.SHARDED_KEYS` record for this optimizer; inside ``state_dict`` in files of earlier releases) or,
+    without a record, shaped like its parameter becomes a DTensor laid out like the tensor the optimizer updates (this
+    rank's rows, on that tensor's device, no communication); the rest loads as it is."""
+    if recorded is None:
+        recorded = state_dict.get(keys.SHARDED_KEYS)
     state = {}
     for index, param_state in state_dict["state"].items():
         param = entries.tensors[index]

@@ -66,29 +66,42 @@ def rows_of(whole: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
-def whole_optimizer_state(named: dict[str, Any], shapes: dict[str, torch.Size], keep: bool) -> dict[str, Any]:
+def whole_optimizer_state(named: dict[str, Any], keep: bool) -> dict[str, Any]:
     """A named optimizer state (see :func:`.keys.named_optimizer_state`) as the state dict of whole tensors, indexed
-    by position, that a single-file checkpoint holds, with its :data:`.keys.SHARDED_KEYS` record (collective)."""
-    sharded: dict[str, list[str]] = {
-        fqn: [entry for entry, value in entries.items() if keys.like_parameter(entry, value, shapes[fqn])]
-        for fqn, entries in named["state"].items()
-    }
+    by position, that ``"ddp"`` saves: ``state`` and ``param_groups`` (collective)."""
     state = {fqn: gathered(entries, keep) for fqn, entries in named["state"].items()}
-    state_dict, position = keys.indexed_optimizer_state({"state": state, "param_groups": named["param_groups"]})
-    state_dict[keys.SHARDED_KEYS] = {position[fqn]: entries for fqn, entries in sharded.items() if entries}
-    return state_dict
+    return keys.indexed_optimizer_state({"state": state, "param_groups": named["param_groups"]})[0]
+
+
+def parameter_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    return {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def with_records(
+    whole: dict[str, Any], named_states: list[dict[str, Any]], shapes: dict[str, torch.Size]
+) -> dict[str, Any]:
+    """A whole checkpoint (its ``optimizer_states`` made by :func:`whole_optimizer_state` from the live
+    ``named_states``) with the :data:`.keys.SHARDED_KEYS` record where one of its optimizers needs one."""
+    records = []
+    for named, indexed in zip(named_states, whole.get("optimizer_states", []), strict=False):
+        position = keys.positions(named["param_groups"])
+        whole_named = {**named, "state": {fqn: indexed["state"][position[fqn]] for fqn in named["state"]}}
+        records.append(keys.file_record(keys.sharded_entries(named, shapes), whole_named, shapes))
+    if any(record is not None for record in records):
+        return {**whole, keys.SHARDED_KEYS: records}
+    return whole
 
 
 def gathered_checkpoint(checkpoint: dict[str, Any], module: nn.Module, keep: bool) -> dict[str, Any]:
     """Lightning's ``checkpoint`` (model and named optimizer states as a mode makes them for ``module``) with its
-    tensors whole where ``keep`` (collective)."""
-    shapes = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
+    tensors whole where ``keep``, and the record of :func:`with_records` (collective)."""
     whole = dict(checkpoint)
     if "state_dict" in checkpoint:
         whole["state_dict"] = gathered(checkpoint["state_dict"], keep)
-    if "optimizer_states" in checkpoint:
-        whole["optimizer_states"] = [whole_optimizer_state(s, shapes, keep) for s in checkpoint["optimizer_states"]]
-    return whole
+    named_states = checkpoint.get("optimizer_states", [])
+    if named_states:
+        whole["optimizer_states"] = [whole_optimizer_state(s, keep) for s in named_states]
+    return with_records(whole, named_states, parameter_shapes(module)) if keep else whole
 
 
 def write_file(path: Path, contents: dict[str, Any]) -> None:

@@ -102,10 +102,13 @@ class Checkpointed:
             trained.mode.at_rest()
         self.named_like.load_state_dict(state_dict, strict=strict)
 
-    def load_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint); this rank keeps its
-        shards of it, on the device unless they are offloaded."""
+    def load_optimizer_state(
+        self, optimizer: Optimizer, state_dict: dict[str, Any], recorded: dict[int, list[str]] | None = None
+    ) -> None:
+        """Load an optimizer state dict of whole tensors (an ordinary single-file checkpoint, with the file's record
+        for it, see :func:`.live.load_full_optimizer_state`); this rank keeps its shards of it, on the device unless
+        they are offloaded."""
         mode = self._mode_of(optimizer)
-        load_full_optimizer_state(mode.optimizer_entries(optimizer), state_dict)
+        load_full_optimizer_state(mode.optimizer_entries(optimizer), state_dict, recorded)
         if mode.placement.state_on_device:  # offloaded state stays where the loader put it
             _optimizer_to_device(as_set_up(optimizer), mode.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -13,6 +14,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero._checkpoint.location import local_path
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.precision import take_over_scaler
@@ -47,7 +49,8 @@ class ZeroFrontEnd:
         ``zero_hpz_partition_size`` become this package's options, ``bf16``/``fp16`` master weights (and
         ``communication_data_type``, ``data_types.grad_accum_dtype`` the ``reduce_dtype``). One warning names the
         Trainer flags the config asks for (``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``) and every
-        key not acted on; DeepSpeed's own ``optimizer``/``scheduler`` and quantized ZeRO++ are refused. ``options``:
+        key not acted on; quantized ZeRO++ is refused. Its ``optimizer`` and ``scheduler`` sections are built by the
+        Trainer in place of ``configure_optimizers``, as ``DeepSpeedStrategy`` does (Fabric refuses them). ``options``:
         more of the strategy's arguments (an option the config sets as well must agree with it)."""
         return cls(deepspeed_config=config, **options)
 
@@ -73,6 +76,10 @@ class ZeroFrontEnd:
             ranks = self.num_nodes * self.num_processes
             self._mode = choose_mode(self.config, self.placement, ranks, self.num_processes)
         return self._mode
+
+    def _checkpoint_path(self, path: str | os.PathLike) -> Path:
+        """Rank 0's checkpoint ``path``, on every rank, as a local path (see :func:`.location.local_path`)."""
+        return local_path(self.broadcast(os.fspath(path)))  # type: ignore[attr-defined]
 
     def _refuse_storage_options(self, storage_options: Any | None) -> None:
         if storage_options is not None:

@@ -24,10 +24,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.error import CheckpointError
+from lightning_zero._checkpoint.keys import SHARDED_KEYS
 
 RECORD = "lightning_zero_fabric"  # {"modules": their names in `state`, "optimizers": their names, in saved order}
 _MODEL, _OPTIMIZERS, _SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
-_RESERVED = (_MODEL, _OPTIMIZERS, _SCHEDULERS, RECORD, "pytorch-lightning_version")
+_RESERVED = (_MODEL, _OPTIMIZERS, _SCHEDULERS, RECORD, SHARDED_KEYS, "pytorch-lightning_version")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,17 @@ class FabricState:
             states[key] = checkpoint.pop(key) if key in checkpoint else listed[index]
         return states
 
+    def pop_records(self, checkpoint: dict[str, Any]) -> dict[str, dict[int, list[str]] | None]:
+        """An ordinary file's record of the entries its optimizers sharded (see :data:`.keys.SHARDED_KEYS`), by the
+        names in ``state``: a Fabric file keeps it by the optimizers' names, a Trainer's or a consolidated file in the
+        order of ``"optimizer_states"``. Call it before :meth:`pop_optimizer_states`."""
+        records = checkpoint.pop(SHARDED_KEYS, None)
+        if records is None:
+            return {}
+        if isinstance(records, dict):
+            return {key: records.get(key) for key in self.optimizers}
+        return dict(zip(self.optimizers, records, strict=False))
+
     def restore_rest(self, state: dict[str, Any], checkpoint: dict[str, Any], strict: bool) -> dict[str, Any]:
         """Fill ``state``'s other entries from ``checkpoint`` (stateful objects in place); return what remains, less
         what a Fabric checkpoint holds for the format's sake."""
@@ -158,7 +170,14 @@ def as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
     contents.update(_split(model, _recorded_modules(record)))
     for name, optimizer_state in zip(record["optimizers"], optimizers, strict=False):
         contents[name] = optimizer_state
+    if SHARDED_KEYS in contents:  # by the optimizers' names, as the states themselves
+        contents[SHARDED_KEYS] = dict(zip(record["optimizers"], contents[SHARDED_KEYS], strict=False))
     return contents
+
+
+def without_records(contents: dict[str, Any]) -> dict[str, Any]:
+    """A file's contents as the user saved them, without this package's record of its sharded entries."""
+    return {key: value for key, value in contents.items() if key != SHARDED_KEYS}
 
 
 def _drop_format_entries(checkpoint: dict[str, Any]) -> None:

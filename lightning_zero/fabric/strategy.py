@@ -40,7 +40,7 @@ from lightning_zero._core.optimizers import as_set_up
 from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.launcher import ScriptLauncher
 from lightning_zero.fabric.precision import zero_aware
-from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state
+from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state, without_records
 
 _SET_BY_FABRIC = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
 
@@ -88,6 +88,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             deepspeed_config=deepspeed_config,
             **{k: v for k, v in options.items() if k in known},
         )
+        if self.config.deepspeed_optimization is not None:
+            raise ValueError(
+                f"{self.config.deepspeed_optimization.source} has an `optimizer` or `scheduler` section, and a Fabric"
+                " loop builds its own. HINT: create them in your loop (DeepSpeed's `Adam` is `torch.optim.AdamW` with"
+                " `weight_decay=0` unless `adam_w_mode` is false) and drop those sections."
+            )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **set_by_fabric
         )
@@ -219,7 +225,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             optimizer_states=[checkpointed.optimizer_state(state[k]) for k in parts.optimizers],
             filter=filter or {},
         )
-        target = Path(self.broadcast(str(path)))
+        target = self._checkpoint_path(path)
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
                 checkpointed.save_directory(checkpoint, target)
@@ -240,18 +246,18 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         file into the objects of ``state``, in place; return what the checkpoint holds beyond them. As under Fabric's
         ``"ddp"``, ``state`` may also be a module or an optimizer (``fabric.load_raw``: a file of its state dict
         alone), or nothing: the whole checkpoint is returned, a directory's tensors whole."""
-        source = Path(self.broadcast(str(path)))
+        source = self._checkpoint_path(path)
         directory = readable_directory(source)
         if isinstance(state, (nn.Module, Optimizer)):
             self._load_raw(source, directory, state, strict, weights_only)
             return {}
-        if not state:
+        if not state:  # the checkpoint as saved, less the record of its sharded entries, meant for this loader alone
             if directory is None:
-                return self._read_file(source, weights_only)
+                return without_records(self._read_file(source, weights_only))
             reading = whole_checkpoint(  # rank 0 draws the bar, on a terminal only
                 directory, Unpickling.from_weights_only(weights_only), progress=self.global_rank == 0
             )
-            return as_saved(reading)
+            return without_records(as_saved(reading))
         parts = FabricState.of(state)
         if not parts.modules:
             raise TypeError(
@@ -308,8 +314,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         ``state``."""
         module_states = parts.pop_module_states(checkpoint, source)
         checkpointed.load_module_state(checkpointed.combined(module_states), strict)
+        records = parts.pop_records(checkpoint)
         for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
-            checkpointed.load_optimizer_state(state[key], optimizer_state)
+            checkpointed.load_optimizer_state(state[key], optimizer_state, records.get(key))
 
     def _load_raw(
         self,
@@ -355,7 +362,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._alone(self._trained_with(optimizer).module).optimizer_state(optimizer)
+        """What ``optimizer.state_dict()`` gives on Fabric's optimizer: the set-up optimizer's own state dict, at rest
+        (indexed by position, shards as DTensors), which its ``load_state_dict`` and torch's
+        ``get_optimizer_state_dict`` take as they are."""
+        self._trained_with(optimizer).mode.at_rest()
+        return as_set_up(optimizer).state_dict()
 
     @override
     def teardown(self) -> None:

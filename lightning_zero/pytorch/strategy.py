@@ -17,12 +17,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -30,11 +33,22 @@ from lightning_zero._checkpoint import publish
 from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from lightning_zero._checkpoint.directory import readable_directory
+from lightning_zero._checkpoint.error import CheckpointError
+from lightning_zero._checkpoint.keys import SHARDED_KEYS
+from lightning_zero._checkpoint.location import local_path
 from lightning_zero._checkpoint.unpickling import Unpickling
-from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._checkpoint.whole import (
+    check_file,
+    gathered,
+    parameter_shapes,
+    whole_optimizer_state,
+    with_records,
+    write_file,
+)
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
@@ -187,11 +201,44 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)
+        """The optimizers of ``configure_optimizers`` or, where a ``deepspeed_config`` has an ``optimizer`` section,
+        the one it names with its ``scheduler`` (as ``DeepSpeedStrategy`` uses them), each set up to step here."""
+        sections = self.config.deepspeed_optimization
+        if sections is None:
+            super().setup_optimizers(trainer)
+        else:
+            self.optimizers, self.lr_scheduler_configs = self._from_deepspeed_config(sections)
         assert self.lightning_module is not None
         self.optimizers = self._set_up_optimizers(
             self.mode, self.lightning_module, self.optimizers, self.precision_plugin
         )
+
+    def _from_deepspeed_config(
+        self, sections: DeepSpeedOptimization
+    ) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+        """The config's optimizer (stepped per optimizer step, as DeepSpeed's engine steps it) in place of
+        ``configure_optimizers``; a ``scheduler`` section alone schedules the one optimizer ``configure_optimizers``
+        returns without a scheduler of its own."""
+        module = self.lightning_module
+        assert module is not None
+        if sections.optimizer_section is None:
+            optimizers, configs = _init_optimizers_and_lr_schedulers(module)
+            if len(optimizers) != 1 or configs:
+                raise ValueError(
+                    f"{sections.source} has a `scheduler` section for the optimizer, and `configure_optimizers`"
+                    f" returned {len(optimizers)} optimizer(s) and {len(configs)} scheduler(s). HINT: return one"
+                    " optimizer and no scheduler, or drop the config's `scheduler` section."
+                )
+            optimizer = optimizers[0]
+        else:
+            if is_overridden("configure_optimizers", module, LightningModule):
+                rank_zero_warn(
+                    f"{sections.source} has an `optimizer` section, which takes the place of `configure_optimizers`"
+                    " as under `DeepSpeedStrategy`. HINT: drop one of the two to silence this warning."
+                )
+            optimizer = sections.optimizer(module.parameters())
+        scheduler = sections.scheduler(optimizer)
+        return [optimizer], [] if scheduler is None else [LRSchedulerConfig(scheduler, interval="step")]
 
     @override
     def optimizer_step(
@@ -322,11 +369,27 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpointed().module_state()
+        """``"sharded"``: every rank's entries, sharded ones as DTensors over its rows; ``"full"``: whole tensors on
+        the host of rank 0 and ``{}`` on the other ranks, as ``FSDPStrategy`` returns them (collective)."""
+        state = self._checkpointed().module_state()
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                return state
+            case StateDictType.FULL:
+                whole = gathered(state, self.is_global_zero)
+                return whole if self.is_global_zero else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointed().optimizer_state(optimizer)
+        """``"sharded"``: the state named by parameter, shards as DTensors; ``"full"``: on rank 0, the state dict of
+        whole tensors indexed by position that ``"ddp"`` returns, ``{}`` on the other ranks (collective)."""
+        named = self._checkpointed().optimizer_state(optimizer)
+        match self.config.state_dict_type:
+            case StateDictType.SHARDED:
+                return named
+            case StateDictType.FULL:
+                whole = whole_optimizer_state(named, self.is_global_zero)
+                return whole if self.is_global_zero else {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -334,26 +397,27 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         ``state_dict_type="full"``, rank 0 writes one ordinary file there, as ``"ddp"`` does."""
         self._refuse_storage_options(storage_options)
         assert self.lightning_module is not None
-        path = Path(self.broadcast(str(filepath)))
+        path = self._checkpoint_path(filepath)
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
                 self._checkpointed().save_directory(checkpoint, path)
-            case StateDictType.FULL:
-                whole = gathered_checkpoint(checkpoint, self.lightning_module, self.is_global_zero)
+            case StateDictType.FULL:  # the states are whole on rank 0 already (see `lightning_module_state_dict`)
                 if self.is_global_zero:
-                    write_file(path, whole)
+                    saves_optimizers = "optimizer_states" in checkpoint
+                    named = [self._checkpointed().optimizer_state(o) for o in self.optimizers if saves_optimizers]
+                    write_file(path, with_records(checkpoint, named, parameter_shapes(self.lightning_module)))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint at ``filepath``; a link there is removed, never what it points to."""
         if self.is_global_zero:
-            publish.remove(Path(filepath))
+            publish.remove(local_path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
         a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
-        path = resumable(Path(self.broadcast(str(checkpoint_path))), self.is_global_zero)
+        path = resumable(self._checkpoint_path(checkpoint_path), self.is_global_zero)
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
@@ -379,8 +443,15 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         states = checkpoint["optimizer_states"]
         if not states:  # a checkpoint directory was loaded in place
             return
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            self._checkpointed().load_optimizer_state(optimizer, state)
+        if len(states) != len(self.optimizers):
+            raise CheckpointError(
+                f"The checkpoint holds the state of {len(states)} optimizer(s), and `configure_optimizers` returned"
+                f" {len(self.optimizers)}. HINT: resume with the `configure_optimizers` it was saved with, or load"
+                " the weights alone (`LightningModule.load_from_checkpoint`)."
+            )
+        records = checkpoint.get(SHARDED_KEYS) or [None] * len(states)
+        for optimizer, state, recorded in zip(self.optimizers, states, records, strict=True):
+            self._checkpointed().load_optimizer_state(optimizer, state, recorded)
 
     @contextmanager
     @override
@@ -426,7 +497,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         self.mode.teardown()
         if self.mode.keeps_sync_batchnorm:
             self._layer_sync = None
-        super().teardown()
+        # Lightning's teardown moves the module to the host; inside the user's `torch.inference_mode()` that move
+        # could not swap stage 3's DTensor parameters (an inference tensor has no version counter)
+        with torch.inference_mode(False):
+            super().teardown()
 
 
 class Zero1Strategy(ZeroStrategy):
