@@ -3,7 +3,8 @@ when a torch release moves it.
 
 - ``fully_shard``'s pluggable collectives (:class:`AllGather`, :class:`ReduceScatter`), which
   :mod:`.fsdp_comms` implements on CPU process groups; on a torch without them ``fully_shard`` keeps its own
-  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo.
+  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo (and reducing by
+  sum, since gloo's reduce-scatter there sums where it is asked to average).
 - ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold

@@ -36,6 +36,7 @@ from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, wr
 from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfig
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
+from lightning_zero._lightning_private import load_file
 from lightning_zero.pytorch.launcher import FullWeightsLauncher
 from lightning_zero.pytorch.precision import zero_aware
 
@@ -341,7 +342,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return load_file(super().load_checkpoint, path, weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
