@@ -80,7 +80,7 @@ LOAD = os.getloadavg()[0]  # what else the machine was running as the benchmark 
 
 def provenance(device: str) -> str:
     """``"<device> | commit abc1234 | 2026-11-23"``: where and when the numbers were measured."""
-    return f"{device} | commit {REVISION} | {datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
+    return f"{device} | commit {REVISION} | {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
 
 
 def save(figure: Any, path: Path, device: str) -> None:

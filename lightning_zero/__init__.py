@@ -9,7 +9,7 @@ passed directly or named as ``class_path`` in a LightningCLI config.
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero import fabric
+from lightning_zero import _versions, fabric  # noqa: F401 (`_versions` first: it refuses too old a torch or Lightning)
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._offload.target import OffloadError
 from lightning_zero.consolidate import consolidate_checkpoint, whole_state_dict

@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zero._transport.torch_private import gather_for_recompute
+
 ModuleFilter = Callable[[nn.Module, str], bool]
 """A user policy: ``(module, qualified name) -> bool``, asked for every submodule."""
 
@@ -189,13 +191,19 @@ class CheckpointedForward:
     same backward pass, so every parameter still receives its gradient exactly once per backward.
     """
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        self.module = module
         self.forward = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self._gathered_forward, *args, use_reentrant=False, **kwargs)
+
+    def _gathered_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward, with the stage-3 units inside the module gathered when backward recomputes it."""
+        gather_for_recompute(self.module)
+        return self.forward(*args, **kwargs)
 
 
 def apply_activation_checkpointing(root: nn.Module, policy: ModulePolicy) -> list[str]:
@@ -217,5 +225,5 @@ def apply_activation_checkpointing(root: nn.Module, policy: ModulePolicy) -> lis
             continue
         names.append(name)
         if not isinstance(module.__dict__.get("forward"), CheckpointedForward):
-            module.forward = CheckpointedForward(module.forward)
+            module.forward = CheckpointedForward(module, module.forward)
     return names

@@ -37,7 +37,14 @@ def install(
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
             module.set_all_reduce_hook(AcrossReplicas(replicas))
-    if dist.get_backend(group) != "gloo" or not CUSTOM_COLLECTIVES or group.size() == 1:
+    if dist.get_backend(group) != "gloo" or group.size() == 1:
+        return None
+    if not CUSTOM_COLLECTIVES:
+        # `fully_shard` keeps its own reduce-scatter, which averages by asking gloo for `ReduceOp.AVG`; gloo sums
+        # instead (torch 2.8), silently: have it sum, and `fully_shard` divide the result
+        for module in fsdp_modules:
+            assert isinstance(module, FSDPModule)
+            module.set_force_sum_reduction_for_comms(True)
         return None
     channel = shared_memory.channel(group)
     if channel is not None:

@@ -3,9 +3,12 @@ when a torch release moves it.
 
 - ``fully_shard``'s pluggable collectives (:class:`AllGather`, :class:`ReduceScatter`), which
   :mod:`.fsdp_comms` implements on CPU process groups; on a torch without them ``fully_shard`` keeps its own
-  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo.
+  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo (and reducing by
+  sum, since gloo's reduce-scatter there sums where it is asked to average).
 - ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
+- a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
+  activation checkpointing recomputes in backward where torch does not (torch 2.8).
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
   none has nothing to release.
 - the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
@@ -17,9 +20,11 @@ from __future__ import annotations
 import gc
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.utils import _sync_module_states as sync_module_states
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
@@ -35,6 +40,25 @@ def has_run_forward(root: FSDPModule) -> bool:
     """Whether the ``fully_shard`` root ran a forward: it sets up its per-step state (which a reset walks) only then,
     and marks it by deciding that it is the root (``None`` until then)."""
     return root._get_fsdp_state()._is_root is not None
+
+
+def gather_for_recompute(module: nn.Module) -> None:
+    """Before activation checkpointing runs ``module``'s forward again in backward: all-gather each unit inside it
+    whose backward has begun (``PRE_BACKWARD``) and whose parameters a backward already freed (a unit called twice in
+    one step). ``fully_shard`` leaves the gather in that state to its pre-backward hook; torch 2.13 gathers such a unit
+    again itself, torch 2.8 runs the recomputation on the shards, which fails (``got mixed torch.Tensor and DTensor``).
+    Anywhere else (a first forward, a unit that is gathered or not in backward yet) this changes nothing."""
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        state = unit._get_fsdp_state()
+        if state._training_state is not TrainingState.PRE_BACKWARD:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:  # several in recent torch, one (or None) in torch 2.8
+            if group is not None and not group.is_unsharded:
+                group.unshard()
+                group.wait_for_unshard()
 
 
 def release_mesh_groups() -> None:
@@ -63,6 +87,7 @@ __all__ = [
     "AllGather",
     "ReduceScatter",
     "default_store",
+    "gather_for_recompute",
     "has_run_forward",
     "release_mesh_groups",
     "sync_module_states",

@@ -37,6 +37,7 @@ from lightning_zero._core import Mode, PlainMode
 from lightning_zero._core.checkpointed import Checkpointed, Trained
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._core.optimizers import as_set_up
+from lightning_zero._lightning_private import load_file, set_up_together
 from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.launcher import ScriptLauncher
 from lightning_zero.fabric.precision import zero_aware
@@ -128,10 +129,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards)."""
+    ) -> tuple[Any, ...]:
+        """The module, then its optimizers (built before the module was set up: stage 3 moves them to the shards);
+        the scheduler too where Fabric passes one."""
         module = self.setup_module(module)
-        return module, self._set_up(self._trained_of(module), optimizers), scheduler
+        return set_up_together(module, self._set_up(self._trained_of(module), optimizers), scheduler)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -342,7 +344,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def _read_file(self, source: Path, weights_only: bool | None) -> Any:
         """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
         check_file(source)
-        return self.checkpoint_io.load_checkpoint(source, weights_only=weights_only)
+        return load_file(self.checkpoint_io.load_checkpoint, source, weights_only)
 
     def _mode_of(self, module: nn.Module) -> Mode:
         trained = self._trained_of(module)

@@ -49,6 +49,7 @@ from lightning_zero._config import ModuleOption, Stage, StateDictType, ZeroConfi
 from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
+from lightning_zero._lightning_private import load_file
 from lightning_zero._transport import failures
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
@@ -421,7 +422,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         directory = readable_directory(path)
         if directory is None:
             check_file(path)
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return load_file(super().load_checkpoint, path, weights_only)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
