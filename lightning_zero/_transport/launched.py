@@ -23,6 +23,17 @@ def started(procs: list[subprocess.Popen]) -> None:
     _STARTED.append(procs)
 
 
+class RecordsStartedRanks:
+    """Placed before a front end's Lightning ``_SubprocessScriptLauncher``: the ranks it starts are recorded, for
+    :func:`wait_for_started_ranks`."""
+
+    procs: list[subprocess.Popen]
+
+    def _call_children_scripts(self) -> None:
+        super()._call_children_scripts()  # type: ignore[misc]
+        started(self.procs)
+
+
 def wait_for_started_ranks() -> None:
     """At exit, after the process groups are closed: wait for every rank this process started, and end the process
     with status 1 if one failed (even where this process itself is ending with 0)."""

@@ -21,14 +21,9 @@ from typing_extensions import override
 from lightning_zero._transport import launched
 
 
-class ScriptLauncher(_SubprocessScriptLauncher):
+class ScriptLauncher(launched.RecordsStartedRanks, _SubprocessScriptLauncher):
     """Lightning's, except that this process, rank 0, ends after the ranks it started, and not with 0 when one of them
     failed (:mod:`lightning_zero._transport.launched`)."""
-
-    @override
-    def _call_children_scripts(self) -> None:
-        super()._call_children_scripts()
-        launched.started(self.procs)
 
 
 class FullWeightsLauncher(_MultiProcessingLauncher):
