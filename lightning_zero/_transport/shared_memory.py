@@ -343,8 +343,8 @@ class Channel:
         """The error of a barrier where the peers' messages (``received``) carry other labels than this rank's."""
         doing = {rank: int.from_bytes(other[1:], "little") for rank, other in received.items()}
         failed = [rank for rank, said in doing.items() if said == labels.LEFT_FAILED]
-        if failed:  # that rank's own error is the one to read
-            return peers.exited(_WHERE, self.rank, failed[0], self._pids)
+        if failed:  # that rank's own error is the one to read: the one it announced, if it did
+            return self._failure_of(failed[0]) or peers.exited(_WHERE, self.rank, failed[0], self._pids)
         return labels.diverged(self.rank, {**doing, self.rank: label})
 
     def _read_peers(self) -> dict[int, bytes]:
@@ -365,8 +365,8 @@ class Channel:
                 deadline = time.monotonic() + timeout - min(_POLL_SECONDS, timeout)
                 left = deadline - time.monotonic()
             for rank in waiting.values():  # what a failed peer announced says more than its exit
-                if (failure := failures.announced(dist.get_global_rank(self.group, rank))) is not None:
-                    self._break(failures.failed(_WHERE, self.rank, rank, failure, self._pids))
+                if (error := self._failure_of(rank)) is not None:
+                    self._break(error)
                 if rank in self._watched and self._watched[rank].is_dead():
                     self._break(peers.exited(_WHERE, self.rank, rank, self._pids))
             if left <= 0:
@@ -374,6 +374,11 @@ class Channel:
                 pids = [self._pids[r] for r in missing if r in self._pids]
                 self._break(peers.stalled(_WHERE, self.rank, peers.ranks(missing, self._pids), self._timeout, pids))
         return received
+
+    def _failure_of(self, rank: int) -> peers.PeerError | None:
+        """The error naming what peer ``rank`` announced it failed with, if it did."""
+        failure = failures.announced(dist.get_global_rank(self.group, rank))
+        return None if failure is None else failures.failed(_WHERE, self.rank, rank, failure, self._pids)
 
     def _break(self, error: peers.PeerError | labels.DivergedError) -> NoReturn:
         """End the channel with ``error``: every later collective raises it at once (several can be in flight, and

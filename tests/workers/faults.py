@@ -176,7 +176,10 @@ def main(out: Path) -> None:
                 "traceback": "".join(traceback.format_exception(error)),
                 "caught_at": markers.caught_at,
             })
+            limit = resource.getrlimit(resource.RLIMIT_AS)  # the record is this test's, not the run's: room for it
+            resource.setrlimit(resource.RLIMIT_AS, (limit[1], limit[1]))
             (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(ended))
+            resource.setrlimit(resource.RLIMIT_AS, limit)
             if index == len(payload["runs"]) - 1:
                 raise
 
