@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,7 +169,7 @@ def test_values_read_during_construction_are_eager_ones() -> None:
         assert repr(lazy.weight).startswith("LazyTensor(shape=(8, 4)")
 
 
-def test_hugging_face_from_config_and_from_pretrained(tmp_path: pytest.TempPathFactory) -> None:
+def test_hugging_face_from_config_and_from_pretrained(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=31, n_positions=16)

@@ -372,25 +372,22 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """``"sharded"``: every rank's entries, sharded ones as DTensors over its rows; ``"full"``: whole tensors on
         the host of rank 0 and ``{}`` on the other ranks, as ``FSDPStrategy`` returns them (collective)."""
-        state = self._checkpointed().module_state()
-        match self.config.state_dict_type:
-            case StateDictType.SHARDED:
-                return state
-            case StateDictType.FULL:
-                whole = gathered(state, self.is_global_zero)
-                return whole if self.is_global_zero else {}
+        return self._as_configured(self._checkpointed().module_state(), gathered)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``"sharded"``: the state named by parameter, shards as DTensors; ``"full"``: on rank 0, the state dict of
         whole tensors indexed by position that ``"ddp"`` returns, ``{}`` on the other ranks (collective)."""
-        named = self._checkpointed().optimizer_state(optimizer)
+        return self._as_configured(self._checkpointed().optimizer_state(optimizer), whole_optimizer_state)
+
+    def _as_configured(self, state: dict[str, Any], whole: Callable[[dict[str, Any], bool], Any]) -> dict[str, Any]:
+        """``state`` as ``state_dict_type`` asks: as it is, or made whole (collective) for rank 0, ``{}`` elsewhere."""
         match self.config.state_dict_type:
             case StateDictType.SHARDED:
-                return named
+                return state
             case StateDictType.FULL:
-                whole = whole_optimizer_state(named, self.is_global_zero)
-                return whole if self.is_global_zero else {}
+                made_whole = whole(state, self.is_global_zero)
+                return made_whole if self.is_global_zero else {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
