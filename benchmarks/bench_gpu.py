@@ -225,6 +225,10 @@ def main() -> None:
                     got = measure(args, size, strategy, Path(tmp) / f"{size}-{strategy}-{round_index}.json")
                     if got is not None:
                         results.setdefault((size, strategy), []).append(got)
+                        # each figure as it comes, so a run cut short by its time limit still reports
+                        rate = args.batch_size * SIZES[size].seq_len / got["step_s"]
+                        gib = got["peak_bytes"] / 2**30
+                        print(f"{size} {strategy} round {round_index}: {rate:,.0f} tokens/s, {gib:.2f} GiB", flush=True)
     results = {key: results[key] for size in args.sizes for s in strategies if (key := (size, s)) in results}
     device = next(iter(results.values()))[0]["device"] if results else args.device
     header = (
