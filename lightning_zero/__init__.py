@@ -1,9 +1,10 @@
 """ZeRO (the Zero Redundancy Optimizer) as PyTorch Lightning strategies, for the Trainer and for Fabric.
 
-``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and
-``"zero3_offload"`` with both, so ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")`` work; the classes
-(``lightning_zero.Zero3Strategy`` for the Trainer, ``lightning_zero.fabric.Zero3Strategy`` for Fabric) can also be
-passed directly or named as ``class_path`` in a LightningCLI config.
+``import lightning_zero`` registers the strategy names ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"``,
+``"zero3_offload"`` and ``"zero3_infinity"`` with both, so ``Trainer(strategy="zero3")`` and
+``Fabric(strategy="zero3")`` work; the classes (``lightning_zero.Zero3Strategy`` for the Trainer,
+``lightning_zero.fabric.Zero3Strategy`` for Fabric) can also be passed directly or named as ``class_path`` in a
+LightningCLI config.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES

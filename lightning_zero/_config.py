@@ -72,12 +72,23 @@ class ZeroConfig:
     the host with the optimizer state in memory-mapped files under ``offload_dir`` (``"disk"``). In stage 3 the shards
     are the optimizer's parameters, so they and their gradients move to the host with it."""
 
-    offload_parameters: bool = False
-    """Stage 3: keep the parameter shards on the host; each unit comes to the device only while it is gathered. The
-    optimizer then steps on the host too (it updates those shards)."""
+    offload_parameters: OffloadTarget = OffloadTarget.DEVICE
+    """Stage 3: where the parameter shards live between their gathers. On the host (``True`` or ``"cpu"``), each unit
+    comes to the device only while it is gathered; in memory-mapped files under ``offload_dir`` (``"disk"``,
+    ZeRO-Infinity), with their gradients, each unit read ahead of its gather and dropped from memory after it. The
+    optimizer then steps on the host too (it updates those shards), one unit at a time with ``"disk"``."""
 
     offload_dir: Path | None = None
-    """The directory of ``offload_optimizer="disk"``: a local disk with room for this node's optimizer state."""
+    """The directory of ``"disk"`` offload: a local disk with room for this node's optimizer state (and, with
+    ``offload_parameters="disk"``, its parameter shards and gradients)."""
+
+    max_in_cpu: int = 0
+    """``offload_parameters="disk"``: parameter elements per rank kept in host memory rather than in files (DeepSpeed's
+    and ColossalAI's unit): the shards of the first units, in order, while they fit (4 bytes an element in fp32)."""
+
+    prefetch_units: int = 2
+    """``offload_parameters="disk"``: how many units ahead of the one being gathered are read from disk, overlapped
+    with compute (DeepSpeed's ``buffer_count`` less the one in use)."""
 
     pin_memory: bool = True
     """Page-lock host copies of a CUDA module's state, so transfers run asynchronously at full speed."""
@@ -199,13 +210,15 @@ class ZeroConfig:
                 "`reduce_dtype` applies to the gradient shards of stages 2 and 3; stage 1 keeps full gradients in the"
                 " parameters' dtype. HINT: use `Zero2Strategy`, or drop `reduce_dtype`."
             )
-        if given["offload_parameters"] and stage != Stage.PARAMETERS:
+        parameters = _resolve_offload("offload_parameters", given["offload_parameters"])
+        if parameters is not OffloadTarget.DEVICE and stage != Stage.PARAMETERS:
             raise ValueError(
-                f"`offload_parameters=True` moves the parameter shards of stage 3 to the host; stage {stage} keeps full"
-                ' parameters on the device. HINT: use `Zero3Strategy` (or `"zero3_offload"`), or offload only the'
-                " optimizer with `offload_optimizer=True`."
+                f"`offload_parameters={given['offload_parameters']!r}` moves the parameter shards of stage 3 off the"
+                f" device; stage {stage} keeps full parameters on the device. HINT: use `Zero3Strategy` (or"
+                ' `"zero3_offload"`), or offload only the optimizer with `offload_optimizer=True`.'
             )
-        offload = _resolve_offload(given["offload_optimizer"])
+        optimizer = _resolve_offload("offload_optimizer", given["offload_optimizer"])
+        _check_disk_parameter_options(parameters, given["max_in_cpu"], given["prefetch_units"])
         state_dict_type = given["state_dict_type"]
         if state_dict_type not in [t.value for t in StateDictType]:
             raise ValueError(
@@ -219,8 +232,11 @@ class ZeroConfig:
             auto_wrap_policy=wrap,
             activation_checkpointing=checkpointing,
             reduce_dtype=dtype,
-            offload_optimizer=offload,
-            offload_dir=_resolve_offload_dir(offload, given["offload_dir"]),
+            offload_optimizer=optimizer,
+            offload_parameters=parameters,
+            offload_dir=_resolve_offload_dir(optimizer, parameters, given["offload_dir"]),
+            max_in_cpu=given["max_in_cpu"],
+            prefetch_units=given["prefetch_units"],
             shard_group_size=group_size,
             state_dict_type=StateDictType(state_dict_type),
             deepspeed_optimization=given["deepspeed_optimization"],
@@ -228,9 +244,10 @@ class ZeroConfig:
 
     @property
     def offload(self) -> OffloadTarget:
-        """Where the optimizer lives, ``offload_parameters`` included (it takes the optimizer to the host)."""
-        if self.offload_parameters and self.offload_optimizer is OffloadTarget.DEVICE:
-            return OffloadTarget.CPU
+        """Where the optimizer lives, ``offload_parameters`` included (it takes the optimizer to the host; parameters
+        on disk take its state to disk too, unless ``offload_optimizer`` keeps it in host memory)."""
+        if self.offload_optimizer is OffloadTarget.DEVICE:
+            return self.offload_parameters
         return self.offload_optimizer
 
     @property
@@ -242,7 +259,8 @@ class ZeroConfig:
         return int(self.bucket_cap_mb * 1024 * 1024)
 
 
-_AS_GIVEN: dict[str, object] = {"auto_wrap_policy": None, "offload_optimizer": False}  # options whose field differs
+# options whose field differs from what a user gives
+_AS_GIVEN: dict[str, object] = {"auto_wrap_policy": None, "offload_optimizer": False, "offload_parameters": False}
 
 
 def _with_deepspeed_config(
@@ -262,23 +280,36 @@ def _with_deepspeed_config(
     return stage, {k: v for k, v in given.items() if k in options or v != defaults[k]}
 
 
-_SWITCHES = ("broadcast_buffers", "master_weights", "offload_parameters", "pin_memory", "sharded_on_one_device")
+_SWITCHES = ("broadcast_buffers", "master_weights", "pin_memory", "sharded_on_one_device")
 
 
-def _resolve_offload_dir(offload: OffloadTarget, offload_dir: object) -> Path | None:
-    if offload is OffloadTarget.DISK:
+def _resolve_offload_dir(optimizer: OffloadTarget, parameters: OffloadTarget, offload_dir: object) -> Path | None:
+    on_disk = [f"{name}='disk'" for name, target in (("offload_optimizer", optimizer), ("offload_parameters",
+               parameters)) if target is OffloadTarget.DISK]  # fmt: skip
+    if on_disk:
         if not isinstance(offload_dir, (str, Path)) or not str(offload_dir):
             raise ValueError(
-                f"`offload_optimizer='disk'` keeps optimizer state in files, but `offload_dir={offload_dir!r}`."
+                f"`{on_disk[-1]}` keeps state in files, but `offload_dir={offload_dir!r}`."
                 " HINT: pass `offload_dir` as the path of a directory on a local disk (e.g. an NVMe drive)."
             )
         return check_directory("offload_dir", Path(offload_dir))
     if offload_dir is not None:
         raise ValueError(
-            f"`offload_dir={offload_dir!r}` is used only by `offload_optimizer='disk'`."
-            " HINT: pass `offload_optimizer='disk'` as well, or drop `offload_dir`."
+            f"`offload_dir={offload_dir!r}` is used only by `offload_optimizer='disk'` or `offload_parameters='disk'`."
+            " HINT: pass one of them as well, or drop `offload_dir`."
         )
     return None
+
+
+def _check_disk_parameter_options(parameters: OffloadTarget, max_in_cpu: object, prefetch_units: object) -> None:
+    for name, value, default in (("max_in_cpu", max_in_cpu, 0), ("prefetch_units", prefetch_units, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"`{name}={value!r}` must be a whole number, 0 or more.")
+        if value != default and parameters is not OffloadTarget.DISK:
+            raise ValueError(
+                f"`{name}={value!r}` shapes how parameter shards on disk are read; they are not on disk here."
+                f" HINT: pass `offload_parameters='disk'` with `offload_dir`, or drop `{name}`."
+            )
 
 
 _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -292,7 +323,7 @@ def _resolve_dtype(value: object) -> torch.dtype | None:
     raise ValueError(f"`reduce_dtype={value!r}` is not a dtype to reduce in. HINT: use one of {list(_REDUCE_DTYPES)}.")
 
 
-def _resolve_offload(value: object) -> OffloadTarget:
+def _resolve_offload(option: str, value: object) -> OffloadTarget:
     match value:
         case False | None | "none":
             return OffloadTarget.DEVICE
@@ -300,7 +331,10 @@ def _resolve_offload(value: object) -> OffloadTarget:
             return OffloadTarget.CPU
         case "disk" | "nvme":
             return OffloadTarget.DISK
+        case OffloadTarget():
+            return value
+    what = "the optimizer" if option == "offload_optimizer" else "the parameter shards"
     raise ValueError(
-        f'`offload_optimizer={value!r}` is not a place for the optimizer. HINT: use False, True (or "cpu") for host'
-        ' memory, or "disk" with `offload_dir` for memory-mapped files.'
+        f'`{option}={value!r}` is not a place for {what}. HINT: use False, True (or "cpu") for host memory, or "disk"'
+        " with `offload_dir` for memory-mapped files."
     )

@@ -119,14 +119,23 @@ class _Reader:
 
     def offload_param(self, section: dict[str, Any], options: dict[str, Any]) -> None:
         device = section.pop("device", "none")
-        if device == "nvme":
-            self.refuse(
-                "zero_optimization.offload_param.device",
-                "is 'nvme'; parameters are offloaded to host memory only here",
-                'use "cpu" (`offload_parameters=True`), and put the optimizer on disk with offload_optimizer "nvme"',
-            )
         if device == "cpu":
             options["offload_parameters"] = True
+        elif device == "nvme":
+            options["offload_parameters"] = "disk"
+            path = section.pop("nvme_path", None)
+            if options.get("offload_dir") not in (None, path):
+                self.refuse(
+                    "zero_optimization.offload_param.nvme_path",
+                    f"is {path!r} and offload_optimizer's nvme_path {options['offload_dir']!r}; both go in one"
+                    " offload directory here",
+                    "give both sections the same nvme_path",
+                )
+            options["offload_dir"] = path
+            if "max_in_cpu" in section:  # parameter elements, as here
+                options["max_in_cpu"] = int(section.pop("max_in_cpu"))
+            if "buffer_count" in section:  # the buffer in use and those read ahead
+                options["prefetch_units"] = max(int(section.pop("buffer_count")) - 1, 0)
         section.pop("nvme_path", None)
         if "pin_memory" in section:
             options["pin_memory"] = bool(section.pop("pin_memory"))

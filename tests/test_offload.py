@@ -33,25 +33,36 @@ HOST3 = StrategySpec("zero3", {"offload_optimizer": True})
 # the state files' directory is the test's own, given at run time (`on_disk`); the label stays
 DISK2 = StrategySpec("zero2", {"offload_optimizer": "disk"}, label="zero2_disk")
 DISK3 = StrategySpec("zero3", {"offload_optimizer": "disk"}, label="zero3_disk")
+# ZeRO-Infinity: shards, gradients and optimizer state in files, every Linear a unit (several units read ahead,
+# stepped one at a time); with the state in host memory; with `max_in_cpu` keeping the first units' shards (on each of
+# 2 ranks: the root's gate, 37 elements, and `inp`, 19 x 12 + 19 padded, 284 in all; `mid` would pass 1000) in memory
+UNITS = {"offload_parameters": "disk", "auto_wrap_policy": {"torch.nn.Linear"}}
+INFINITY = StrategySpec("zero3", UNITS, label="zero3_infinity")
+INFINITY_HOST = StrategySpec("zero3", {**UNITS, "offload_optimizer": True}, label="zero3_inf_host")
+INFINITY_KEPT = StrategySpec("zero3", {**UNITS, "max_in_cpu": 1000}, label="zero3_inf_kept")
 MASTERS2, MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True}) for s in (2, 3))
 HOST_MASTERS2, HOST_MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True, **HOST1.options}) for s in (2, 3))
 
 SCENARIOS = [
-    Scenario("adam", strategies=["ddp", HOST1, "zero2_offload", DISK2, HOST3, "zero3_offload", DISK3]),
+    Scenario(
+        "adam",
+        strategies=["ddp", HOST1, "zero2_offload", DISK2, HOST3, "zero3_offload", DISK3, INFINITY, INFINITY_HOST,
+                    INFINITY_KEPT],
+    ),  # fmt: skip
     Scenario(
         "clip_accumulate",
         trainer_kwargs={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
         max_steps=4,
-        strategies=["ddp", HOST1, "zero2_offload", "zero3_offload"],
+        strategies=["ddp", HOST1, "zero2_offload", "zero3_offload", INFINITY],
     ),
     Scenario(  # momentum state and the scheduler go through a checkpoint; resumed in a fresh Trainer and module
         "sgd_scheduler_resume",
         module_kwargs={"optimizer": "sgd", "scheduler": "step", "config_style": "dict"},
         resume_at=12,
         max_steps=14,
-        strategies=["ddp", "zero2_offload", DISK2, "zero3_offload"],
+        strategies=["ddp", "zero2_offload", DISK2, "zero3_offload", INFINITY],
     ),
-    Scenario("manual", module="manual", strategies=["ddp", "zero2_offload", "zero3_offload"]),
+    Scenario("manual", module="manual", strategies=["ddp", "zero2_offload", "zero3_offload", INFINITY]),
     # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
     Scenario("bf16_masters_zero2", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS2, HOST_MASTERS2]),
     Scenario("bf16_masters_zero3", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS3, HOST_MASTERS3]),
@@ -60,8 +71,8 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 def on_disk(spec: StrategySpec, state_dir: Path) -> StrategySpec:
-    """``spec`` with its state files in ``state_dir`` if it keeps optimizer state on disk; its label unchanged."""
-    if spec.options.get("offload_optimizer") != "disk":
+    """``spec`` with its files in ``state_dir`` if it keeps anything on disk; its label unchanged."""
+    if "disk" not in (spec.options.get("offload_optimizer"), spec.options.get("offload_parameters")):
         return spec
     return replace(spec, options={**spec.options, "offload_dir": state_dir})
 

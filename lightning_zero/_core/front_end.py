@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,7 +20,9 @@ from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
+from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.placement import Placement, placement_for
+from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -65,7 +68,13 @@ class ZeroFrontEnd:
         if self._placement is None:
             config = self.config
             offload_dir, pin_memory = config.offload_dir, config.pin_memory
-            self._placement = placement_for(config.offload, offload_dir=offload_dir, pin_memory=pin_memory)
+            files = None
+            if config.offload_parameters is OffloadTarget.DISK:
+                assert offload_dir is not None  # the options require it
+                files = ParameterFiles(offload_dir, config.max_in_cpu, config.prefetch_units)
+            self._placement = placement_for(
+                config.offload, offload_dir=offload_dir, pin_memory=pin_memory, parameter_files=files
+            )
         return self._placement
 
     @property
@@ -159,8 +168,8 @@ def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default:
 
 
 def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]) -> None:
-    """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"`` and ``"zero3_offload"`` for a front end's
-    ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
+    """Register ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"zero2_offload"``, ``"zero3_offload"`` and
+    ``"zero3_infinity"`` for a front end's ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy``."""
     for strategy in classes:
         stage = int(strategy.fixed_stage)
         summary = " ".join(inspect.getdoc(strategy).split("\n\n")[0].split())  # the docstring's first paragraph
@@ -173,3 +182,8 @@ def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]
     ):
         description = f"ZeRO stage {int(strategy.fixed_stage)} with {where} in host memory"
         registry.register(name, strategy, description=description, override=True, **options)
+    # ZeRO-Infinity: shards, gradients and optimizer state in files, under the system's temporary directory unless
+    # `offload_dir` says otherwise (a class with options, in a LightningCLI config too)
+    infinity = {"offload_parameters": "disk", "offload_optimizer": "disk", "offload_dir": tempfile.gettempdir()}
+    description = "ZeRO stage 3 with shards, gradients and optimizer state in files under the temporary directory"
+    registry.register("zero3_infinity", zero3, description=description, override=True, **infinity)

@@ -78,6 +78,7 @@ class FullyShardMode(Mode):
         if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
             warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
         materialize(module, plan, lazy, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
+        self.placement.after_sharding(module, units)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""

@@ -9,20 +9,25 @@ A placement owns every decision that depends on where the optimizer steps (see t
 - which **kernels** a step on shards runs (:meth:`Placement.shard_kernels`, :meth:`Placement.keep_step_kernels`);
 - the **process group** a run needs (:meth:`Placement.process_group_backend`, :meth:`Placement.check_process_group`):
   host tensors need a CPU backend beside NCCL;
-- stage 3's ``fully_shard`` **offload policy** (:meth:`Placement.fsdp_offload_policy`).
+- stage 3's ``fully_shard`` **offload policy** (:meth:`Placement.fsdp_offload_policy`), and where its shards live
+  once sharded (:meth:`Placement.after_sharding`: in files, with ``offload_parameters="disk"``).
 
 :class:`OnDevice` keeps everything with the parameters; :class:`OnHost` moves masters, gradient copies, optimizer
 state and the step to host memory; :class:`OnDisk` does the same with the optimizer state in memory-mapped files.
+Either can also keep stage 3's parameter shards and gradients in files (:class:`ParameterFiles`), and then steps the
+optimizer one unit at a time.
 A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.optim import Optimizer
@@ -30,6 +35,7 @@ from torch.optim import Optimizer
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
 
@@ -78,6 +84,9 @@ class Placement:
         """``fully_shard``'s offload policy; ``None``: the shards stay on the device."""
         return None
 
+    def after_sharding(self, root: nn.Module, units: list[nn.Module]) -> None:
+        """Stage 3, once ``root`` and its ``units`` are sharded and their shards hold their values."""
+
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         """Stage 3: decide once, with the shards where they stay, the kernels :meth:`stepping` applies to
         ``optimizer``."""
@@ -109,9 +118,14 @@ class OnDevice(Placement):
 
 class OnHost(Placement):
     """Masters, a host copy of each reduced gradient shard, optimizer state and the step in host memory (pinned for a
-    CUDA module); only the updated shards travel back to the device."""
+    CUDA module); only the updated shards travel back to the device. With ``parameter_files``, stage 3's shards and
+    gradients live in those files instead, and the optimizer steps one unit at a time."""
 
     offloads = True
+
+    def __init__(self, *, pin_memory: bool = True, parameter_files: ParameterFiles | None = None) -> None:
+        super().__init__(pin_memory=pin_memory)
+        self.parameter_files = parameter_files
 
     def process_group_backend(self, requested: str | None, device_type: str) -> str | None:
         return backend_with_host(requested) if device_type == "cuda" else None
@@ -136,10 +150,28 @@ class OnHost(Placement):
     def fsdp_offload_policy(self, device: torch.device) -> OffloadPolicy | None:
         """The shards are the optimizer's parameters: they, their gradients and the optimizer state live on the host
         (``fully_shard``'s CPU offload), and the step runs there."""
-        return CPUOffloadPolicy(pin_memory=self.pin_memory and device.type == "cuda")
+        pin = self.pin_memory and device.type == "cuda" and self.parameter_files is None  # files are not pinned
+        return CPUOffloadPolicy(pin_memory=pin)
+
+    def after_sharding(self, root: nn.Module, units: list[nn.Module]) -> None:
+        if self.parameter_files is not None:
+            self.parameter_files.adopt(root, units)
 
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
+
+    @contextmanager
+    def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
+        with super().stepping(optimizer):
+            if self.parameter_files is None:
+                yield
+            else:
+                with one_unit_at_a_time(optimizer, self.parameter_files, lambda: self._after_step(optimizer)):
+                    yield
+        self._after_step(optimizer)
+
+    def _after_step(self, optimizer: Optimizer) -> None:
+        """After the optimizer stepped on some or all of its parameters."""
 
     @property
     def state_on_device(self) -> bool:
@@ -150,16 +182,15 @@ class OnDisk(OnHost):
     """As :class:`OnHost`, with the optimizer state in memory-mapped files under ``directory`` (see
     :class:`~lightning_zero._offload.disk.DiskState`)."""
 
-    def __init__(self, directory: Path, *, pin_memory: bool = True) -> None:
-        super().__init__(pin_memory=pin_memory)
+    def __init__(
+        self, directory: Path, *, pin_memory: bool = True, parameter_files: ParameterFiles | None = None
+    ) -> None:
+        super().__init__(pin_memory=pin_memory, parameter_files=parameter_files)
         self.directory = directory
         self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
 
-    @contextmanager
-    def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
-        """State the step created or a checkpoint replaced then moves into its files."""
-        with super().stepping(optimizer):
-            yield
+    def _after_step(self, optimizer: Optimizer) -> None:
+        """State the step created or a checkpoint replaced moves into its files."""
         if self._disk is None:
             self._disk = DiskState(self.directory)
         self._disk.adopt(optimizer)
@@ -168,14 +199,82 @@ class OnDisk(OnHost):
         self._disk = None  # its files go with the last tensor mapping them
 
 
-def placement_for(target: OffloadTarget, *, offload_dir: Path | None, pin_memory: bool) -> Placement:
-    """The placement of the options' offload target."""
+def placement_for(
+    target: OffloadTarget, *, offload_dir: Path | None, pin_memory: bool, parameter_files: ParameterFiles | None = None
+) -> Placement:
+    """The placement of the options' offload target (of the optimizer), with stage 3's ``parameter_files`` if the
+    shards live on disk."""
     match target:
         case OffloadTarget.DEVICE:
+            assert parameter_files is None  # parameters on disk take the optimizer to the host
             return OnDevice(pin_memory=pin_memory)
         case OffloadTarget.CPU:
-            return OnHost(pin_memory=pin_memory)
+            return OnHost(pin_memory=pin_memory, parameter_files=parameter_files)
         case OffloadTarget.DISK:
             assert offload_dir is not None  # the options require it
-            return OnDisk(offload_dir, pin_memory=pin_memory)
+            return OnDisk(offload_dir, pin_memory=pin_memory, parameter_files=parameter_files)
     raise ValueError(f"No placement for {target}.")
+
+
+# Optimizers whose update of each parameter reads only that parameter's gradient and state, so that stepping on one
+# unit's parameters at a time updates each as one step on all would: torch's own, but L-BFGS (a closure over all).
+_PER_PARAMETER = ("torch.optim.",)
+_WHOLE = ("LBFGS",)
+
+
+def check_per_parameter(optimizer: Optimizer) -> None:
+    """Refuse an optimizer that stepping one unit at a time could change (see :data:`_PER_PARAMETER`), and step hooks
+    (they would run once per unit)."""
+    kind = type(optimizer)
+    if not kind.__module__.startswith(_PER_PARAMETER) or kind.__name__ in _WHOLE:
+        raise ValueError(
+            f"`offload_parameters='disk'` steps the optimizer on one unit's parameters at a time, which equals one"
+            f" step on all only for an optimizer that updates each parameter from its own gradient and state;"
+            f" `{kind.__module__}.{kind.__name__}` is not known to. HINT: use a `torch.optim` optimizer (not LBFGS),"
+            " or keep the parameters in host memory with `offload_parameters=True`."
+        )
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+    if any(hooks):
+        raise ValueError(
+            f"{kind.__name__} has step hooks, and `offload_parameters='disk'` steps it once per unit, which would run"
+            " them once per unit. HINT: remove the hooks (`handle.remove()`), or use `offload_parameters=True`."
+        )
+
+
+@contextmanager
+def one_unit_at_a_time(
+    optimizer: Optimizer, files: ParameterFiles, after_chunk: Callable[[], None]
+) -> Generator[None, None, None]:
+    """While in the context, ``optimizer.step`` runs the closure on all parameters (a precision plugin's gradient
+    clipping sees them all), then steps on one unit's parameters at a time (:meth:`ParameterFiles.chunks`), calling
+    ``after_chunk`` after each, so that the process holds one unit's shards, gradients and state at a time."""
+    check_per_parameter(optimizer)
+    previous = optimizer.__dict__.get("step")  # an LR scheduler's wrapper, say
+    step = optimizer.step
+
+    def chunked(closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [group["params"] for group in optimizer.param_groups]
+        try:
+            for chunk in files.chunks([p for params in groups for p in params]):
+                ids = {id(p) for p in chunk}
+                for group, params in zip(optimizer.param_groups, groups, strict=True):
+                    group["params"] = [p for p in params if id(p) in ids]
+                step()
+                after_chunk()
+        finally:
+            for group, params in zip(optimizer.param_groups, groups, strict=True):
+                group["params"] = params
+        return loss
+
+    optimizer.step = chunked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del optimizer.step
+        else:
+            optimizer.step = previous  # type: ignore[method-assign]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from enum import Enum
 from pathlib import Path
 
@@ -18,7 +19,7 @@ class OffloadTarget(Enum):
 
     DEVICE = "device"  # with the parameters: no offload
     CPU = "cpu"  # masters, gradient copies, optimizer state and the step in host memory
-    DISK = "disk"  # as CPU, with the optimizer state in memory-mapped files under the offload directory
+    DISK = "disk"  # as CPU, in memory-mapped files under the offload directory
 
 
 def check_directory(option: str, directory: Path) -> Path:
@@ -33,6 +34,13 @@ def check_directory(option: str, directory: Path) -> Path:
             f"`{option}={str(directory)!r}` is not an existing directory. HINT: create it (`mkdir -p {directory}`)"
             " or point it at a directory on a local disk with room for the optimizer state."
         )
+    filesystem = memory_filesystem(directory)
+    if filesystem is not None:
+        warnings.warn(
+            f"`{option}={str(directory)!r}` is on a {filesystem} filesystem, which lives in memory: what is offloaded"
+            f" there takes host memory as before. HINT: point `{option}` at a directory on a local disk.",
+            stacklevel=4,
+        )
     try:
         os.close(nameless_file(directory))  # as the state's files will be made
     except OSError as error:
@@ -41,3 +49,26 @@ def check_directory(option: str, directory: Path) -> Path:
             " can create files in."
         ) from error
     return directory
+
+
+_IN_MEMORY = ("tmpfs", "ramfs")
+
+
+def memory_filesystem(directory: Path) -> str | None:
+    """The type of the filesystem holding ``directory`` if it lives in memory (tmpfs, ramfs), from the mount table
+    (Linux); ``None`` otherwise, or where there is no such table."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    path = str(directory.resolve())
+    best, kind = "", None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in _IN_MEMORY else None

@@ -9,6 +9,9 @@ when a torch release moves it.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
   activation checkpointing recomputes in backward where torch does not (torch 2.8).
+- a ``fully_shard`` unit's parameters as it keeps them (:func:`unit_shards`, :func:`move_shard`, :func:`shard_grad`):
+  the padded copy of each shard that it gathers from, which parameters offloaded to disk replace with memory-mapped
+  files, and the DTensor form of a gradient shard.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
   none has nothing to release.
 - the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
@@ -18,7 +21,9 @@ when a torch release moves it.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import Store
@@ -61,6 +66,39 @@ def gather_for_recompute(module: nn.Module) -> None:
                 group.wait_for_unshard()
 
 
+def unit_shards(unit: FSDPModule) -> list[Any]:
+    """The ``FSDPParam`` of each parameter ``unit`` gathers (not those of units inside it), each first brought up to
+    date with the module's parameter (``reset_sharded_param``: a module ``_apply`` may have replaced it)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    shards = [shard for group in groups if group is not None for shard in group.fsdp_params]
+    with torch.no_grad():
+        for shard in shards:
+            shard.reset_sharded_param()
+    return shards
+
+
+def padded_shard(shard: Any) -> torch.Tensor:
+    """The flat, padded copy of this rank's rows that ``fully_shard`` gathers from."""
+    return shard._sharded_param_data
+
+
+def move_shard(shard: Any, padded: torch.Tensor) -> None:
+    """Make ``padded`` (flat, as :func:`padded_shard`, holding its values) the storage of ``shard``: what
+    ``fully_shard`` gathers from, and the parameter's local tensor (its first rows), as ``reset_sharded_param`` does
+    for a replaced parameter; the parameter object, which the optimizer holds, stays."""
+    local = shard.sharded_param._local_tensor
+    rows = local.size(0) if local.numel() > 0 else 0
+    shaped = padded.view(shard.padded_sharded_param_size)
+    shard._sharded_param_data = padded
+    shard.sharded_param._local_tensor = shaped.narrow(0, 0, rows)
+
+
+def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (of the shard's unpadded shape) as the DTensor ``fully_shard`` gives a gradient shard."""
+    return shard.to_sharded_dtensor(local)
+
+
 def release_mesh_groups() -> None:
     """Make every live ``DeviceMesh`` drop its references to its process groups (``_pg_registry``, in recent torch
     releases). DTensor's caches (sharding propagation, redistribution plans, mesh topology) keep meshes for the life of
@@ -89,6 +127,10 @@ __all__ = [
     "default_store",
     "gather_for_recompute",
     "has_run_forward",
+    "move_shard",
+    "padded_shard",
     "release_mesh_groups",
+    "shard_grad",
     "sync_module_states",
+    "unit_shards",
 ]

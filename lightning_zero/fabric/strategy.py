@@ -57,8 +57,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
         options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
             ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
-            ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``pin_memory``,
-            ``memory_report``, ``shard_group_size``, ``state_dict_type``, ``sharded_on_one_device``.
+            ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``max_in_cpu``,
+            ``prefetch_units``, ``pin_memory``, ``memory_report``, ``shard_group_size``, ``state_dict_type``,
+            ``sharded_on_one_device``.
         deepspeed_config: a DeepSpeed config (JSON file path or dict) setting the options it maps to; see
             :meth:`from_deepspeed_config`.
 
@@ -424,8 +425,9 @@ class Zero2Strategy(ZeroStrategy):
 class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
 
-    ``Fabric(strategy="zero3")`` or ``"zero3_offload"``, or this class with the options of ``ZeroStrategy``.
-    Under ``fabric.init_module()`` parameters are built without memory and get their values shard by shard.
+    ``Fabric(strategy="zero3")``, ``"zero3_offload"`` or ``"zero3_infinity"``, or this class with the options of
+    ``ZeroStrategy``. Under ``fabric.init_module()`` parameters are built without memory and get their values shard
+    by shard.
     """
 
     fixed_stage = Stage.PARAMETERS

@@ -82,9 +82,15 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             memory (pinned on CUDA); gradients are copied there as they are reduced and the updated shards come
             back. ``"disk"``: the same, with the optimizer state in memory-mapped files under ``offload_dir``. In
             stage 3 the parameter shards are the optimizer's, so they live on the host too. Also on one device.
-        offload_parameters: stage 3, keep the parameter shards on the host, each unit brought to the device only while
-            it is gathered (implies the optimizer on the host).
-        offload_dir: the directory of ``offload_optimizer="disk"``, on a local disk with room for the state.
+        offload_parameters: stage 3, ``True`` (or ``"cpu"``): keep the parameter shards on the host, each unit brought
+            to the device only while it is gathered (implies the optimizer on the host). ``"disk"`` (ZeRO-Infinity):
+            keep the shards and their gradients in memory-mapped files under ``offload_dir``, each unit read ahead of
+            its gather and dropped from memory after it, and the optimizer stepping one unit at a time (its state on
+            disk too, unless ``offload_optimizer=True`` keeps it in host memory).
+        offload_dir: the directory of ``"disk"`` offload, on a local disk with room for what goes there.
+        max_in_cpu: with ``offload_parameters="disk"``, parameter elements per rank kept in host memory instead (the
+            first units' shards, while they fit; DeepSpeed's ``max_in_cpu``).
+        prefetch_units: with ``offload_parameters="disk"``, how many units ahead are read from disk during compute.
         pin_memory: page-lock the host copies of a CUDA module's state (faster, asynchronous transfers).
         memory_report: log on rank 0, once per ``fit``, a table of this rank's model-state bytes (parameters,
             gradients, master weights, optimizer state) measured by walking tensors, beside the estimate of
@@ -120,8 +126,10 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         master_weights: bool = False,
         reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | Literal["cpu", "disk"] = False,
-        offload_parameters: bool = False,
+        offload_parameters: bool | Literal["cpu", "disk"] = False,
         offload_dir: str | Path | None = None,
+        max_in_cpu: int = 0,
+        prefetch_units: int = 2,
         pin_memory: bool = True,
         memory_report: bool = True,
         shard_group_size: int | Literal["node"] | None = None,
@@ -153,6 +161,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             offload_dir=offload_dir,
+            max_in_cpu=max_in_cpu,
+            prefetch_units=prefetch_units,
             pin_memory=pin_memory,
             memory_report=memory_report,
             shard_group_size=shard_group_size,
@@ -523,7 +533,8 @@ class Zero2Strategy(ZeroStrategy):
 class Zero3Strategy(ZeroStrategy):
     """Shards optimizer state, gradients and parameters; each unit's parameters are gathered only around its use.
 
-    ``Trainer(strategy="zero3")``, ``"zero3_offload"`` (shards and optimizer in host memory) or
+    ``Trainer(strategy="zero3")``, ``"zero3_offload"`` (shards and optimizer in host memory), ``"zero3_infinity"``
+    (shards, gradients and optimizer state in files under the temporary directory) or
     ``Trainer(strategy=Zero3Strategy(...))``, with the options of ``ZeroStrategy``; large models build their
     layers in ``configure_model``, without memory, and get their values shard by shard.
     """

@@ -1,0 +1,208 @@
+"""Stage 3's parameter shards and their gradients in memory-mapped files (``offload_parameters="disk"``,
+ZeRO-Infinity).
+
+Each unit's shards on this rank live in one nameless file under the offload directory, mapped shared, one page-aligned
+region per parameter; its gradient shards in a second file, made at its first backward. The process holds a file's
+pages only while it works on them, and the kernel reads them ahead and writes them back:
+
+- before a unit's forward, the next ``prefetch`` units in forward order are read ahead (``MADV_WILLNEED``: the kernel
+  reads them while this unit computes); after its forward, its pages leave the process (``MADV_DONTNEED``; a shared
+  mapping keeps their data in the file);
+- as a unit's gradient shards arrive in backward (``fully_shard`` calls the parameter's post-accumulate-grad hooks),
+  each is copied into its file, becomes the parameter's ``.grad``, and both leave the process; the units next in
+  backward order are read ahead;
+- the optimizer steps one unit at a time (:meth:`ParameterFiles.chunks`), each unit's pages read ahead of its turn and
+  dropped after it.
+
+The first units in order whose shards fit in ``max_in_cpu`` elements stay in host memory as ``fully_shard`` left them.
+The files have no names, so nothing of them outlives the process, however it ends (:mod:`lightning_zero._files`).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_zero._files import nameless_mapping
+from lightning_zero._offload.target import OffloadError
+from lightning_zero._transport.torch_private import move_shard, padded_shard, shard_grad, unit_shards
+
+PAGE = mmap.PAGESIZE
+
+
+def _page_multiple(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+@dataclass
+class Region:
+    """One parameter's place in its unit's files: the byte range of its padded shard (and of its gradient)."""
+
+    shard: Any  # the ``FSDPParam``
+    offset: int
+    nbytes: int
+    grad: torch.Tensor | None = None  # its gradient's view of the unit's gradient file, from its first backward
+
+
+@dataclass
+class UnitFiles:
+    """A unit's shards in one file, and their gradients in another."""
+
+    name: str
+    regions: list[Region]
+    nbytes: int
+    shards: mmap.mmap | None = None
+    grads: mmap.mmap | None = None
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    def advise(self, advice: int, region: Region | None = None) -> None:
+        """``madvise`` the unit's pages (or one region's), shards and gradients alike."""
+        start, length = (0, self.nbytes) if region is None else (region.offset, _page_multiple(region.nbytes))
+        for mapping in (self.shards, self.grads):
+            if mapping is not None and length:
+                mapping.madvise(advice, start, length)
+
+
+class ParameterFiles:
+    """The shards of a ``fully_shard``-ed module's units in files under ``directory`` (see the module)."""
+
+    def __init__(self, directory: Path, max_in_cpu: int, prefetch: int) -> None:
+        self.directory = directory
+        self.max_in_cpu = max_in_cpu
+        self.prefetch = prefetch
+        self.units: list[UnitFiles] = []  # in forward order once a forward has run, else in the root's order
+        self._seen: list[UnitFiles] = []  # the order of the forward under way
+        self._of_param: dict[int, UnitFiles] = {}  # id(parameter) -> its unit
+        self._in_backward: set[str] = set()  # units whose gradients arrived in the backward under way
+        self._bytes = 0
+
+    # --- setting up -------------------------------------------------------------------------------------------------
+
+    def adopt(self, root: nn.Module, units: list[nn.Module]) -> None:
+        """Move the shards of ``units`` and of ``root`` (the last unit) into files and hook their forwards and
+        gradients; ``max_in_cpu`` elements of the first units in ``root``'s module order stay in memory."""
+        order = {module: index for index, module in enumerate(root.modules())}
+        paths = {module: path for path, module in root.named_modules()}
+        kept = 0
+        for unit in sorted([*units, root], key=order.__getitem__):
+            assert isinstance(unit, FSDPModule)
+            shards = unit_shards(unit)
+            elements = sum(padded_shard(s).numel() for s in shards)
+            if kept + elements <= self.max_in_cpu:
+                kept += elements
+                continue
+            files = self._to_files(paths[unit] or "<root>", shards)
+            if files is None:
+                continue
+            self.units.append(files)
+            unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
+            unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
+
+    def _to_files(self, name: str, shards: list[Any]) -> UnitFiles | None:
+        regions, offset = [], 0
+        for shard in shards:
+            nbytes = padded_shard(shard).numel() * padded_shard(shard).element_size()
+            regions.append(Region(shard, offset, nbytes))
+            offset += _page_multiple(nbytes)
+        if offset == 0:
+            return None
+        files = UnitFiles(name, regions, offset)
+        files.shards = self._map(offset, "parameter shards")
+        for region in regions:
+            source = padded_shard(region.shard)
+            mapped = self._view(files.shards, region, source.dtype, source.numel()).copy_(source)
+            move_shard(region.shard, mapped)
+            param = region.shard.sharded_param
+            self._of_param[id(param)] = files
+            files.params.append(param)
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda p, f=files, r=region: self._grad_arrived(f, r, p))
+        files.advise(mmap.MADV_DONTNEED)
+        return files
+
+    def _map(self, nbytes: int, what: str) -> mmap.mmap:
+        try:
+            mapping = nameless_mapping(self.directory, nbytes)
+        except OSError as error:
+            raise OffloadError(
+                f"Could not reserve {nbytes} bytes for {what} in `{self.directory}`: {error.strerror};"
+                f" {self._bytes} bytes of parameter shards and gradients are already there. HINT: free space on that"
+                " disk or point `offload_dir` at a larger one."
+            ) from error
+        self._bytes += nbytes
+        return mapping
+
+    @staticmethod
+    def _view(mapping: mmap.mmap, region: Region, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=region.offset)
+
+    # --- forward and backward ---------------------------------------------------------------------------------------
+
+    def _before_forward(self, files: UnitFiles) -> None:
+        """Read this unit and the next ``prefetch`` ahead; learn the forward order from the first forward."""
+        if files in self._seen:  # a new forward (of the whole module, or a unit called again)
+            if len(self._seen) == len(self.units):
+                self.units = self._seen
+            self._seen = []
+        self._seen.append(files)
+        self._in_backward.clear()
+        index = self.units.index(files)
+        for ahead in self.units[index : index + 1 + self.prefetch]:
+            ahead.advise(mmap.MADV_WILLNEED)
+
+    def _grad_arrived(self, files: UnitFiles, region: Region, param: torch.Tensor) -> None:
+        """``fully_shard`` set (or accumulated into) ``param.grad``: keep it in the unit's gradient file."""
+        if files.name not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
+            self._in_backward.add(files.name)
+            index = self.units.index(files)
+            for ahead in self.units[max(index - self.prefetch, 0) : index]:
+                ahead.advise(mmap.MADV_WILLNEED)
+        grad = param.grad
+        assert isinstance(grad, DTensor)
+        local = grad.to_local()
+        if local.numel() == 0:  # this rank holds no rows of it
+            return
+        if local.numel() * local.element_size() > region.nbytes:
+            raise RuntimeError(
+                f"The gradient of a parameter of unit `{files.name}` ({local.dtype}, {tuple(local.shape)}) does not fit"
+                " the place its shard has in the gradient file."
+            )
+        if region.grad is None:
+            if files.grads is None:
+                files.grads = self._map(files.nbytes, "gradient shards")
+            region.grad = self._view(files.grads, region, local.dtype, local.numel()).view(local.shape)
+        if local.data_ptr() != region.grad.data_ptr():
+            with torch.no_grad():
+                region.grad.copy_(local)
+            param.grad = shard_grad(region.shard, region.grad)
+        files.advise(mmap.MADV_DONTNEED, region)
+
+    # --- the optimizer step -----------------------------------------------------------------------------------------
+
+    def chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        """``params`` (an optimizer's) one unit at a time in forward order, each read ahead of its turn and dropped
+        after it; those in no file (kept in memory) come last."""
+        wanted = {id(p) for p in params}
+        chunks = [[p for p in files.params if id(p) in wanted] for files in self.units]
+        for index, (files, chunk) in enumerate(zip(self.units, chunks, strict=True)):
+            for ahead in self.units[index + 1 : index + 1 + self.prefetch]:
+                ahead.advise(mmap.MADV_WILLNEED)
+            if chunk:
+                yield chunk
+            files.advise(mmap.MADV_DONTNEED)
+        rest = [p for p in params if id(p) not in self._of_param]
+        if rest:
+            yield rest
+
+    def release(self) -> None:
+        """Drop every unit's pages from the process (after a checkpoint read or wrote them all, say)."""
+        for files in self.units:
+            files.advise(mmap.MADV_DONTNEED)
