@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy
+from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy, consolidate_checkpoint
 from lightning_zero._offload.target import OffloadTarget
 from tests.launch import REPO, launch
 from tests.oracle import BY_PRECISION, FP32, close, compare_optimizer_states, compare_runs
@@ -63,11 +63,25 @@ SCENARIOS = [
         strategies=["ddp", "zero2_offload", DISK2, "zero3_offload", INFINITY],
     ),
     Scenario("manual", module="manual", strategies=["ddp", "zero2_offload", "zero3_offload", INFINITY]),
+    # ZeRO-Infinity's checkpoint directories are any stage 3 run's: saved at step 4 under it and resumed under other
+    # stages (against the run resumed under it), and saved under stage 2 and resumed under it; `ckpt_ddp` also saves
+    # under "ddp" at step 4, the file the consolidated directory is compared with
+    Scenario("infinity_to_stages", resume_at=4, max_steps=6, save_with=INFINITY, strategies=[INFINITY, "zero3",
+             "zero2", "zero1"]),  # fmt: skip
+    Scenario("stage2_to_infinity", resume_at=4, max_steps=6, save_with=StrategySpec("zero2"),
+             strategies=["zero2", INFINITY]),  # fmt: skip
+    Scenario("ckpt_ddp", resume_at=4, max_steps=5, strategies=["ddp", INFINITY]),
     # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
     Scenario("bf16_masters_zero2", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS2, HOST_MASTERS2]),
     Scenario("bf16_masters_zero3", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS3, HOST_MASTERS3]),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def with_files(scenario: Scenario, state_dir: Path) -> Scenario:
+    """``scenario`` with the files of its strategies (and of the one it saves with) in ``state_dir``."""
+    saver = scenario.save_with and on_disk(scenario.save_with, state_dir)
+    return replace(scenario, strategies=tuple(on_disk(x, state_dir) for x in scenario.strategies), save_with=saver)
 
 
 def on_disk(spec: StrategySpec, state_dir: Path) -> StrategySpec:
@@ -78,13 +92,16 @@ def on_disk(spec: StrategySpec, state_dir: Path) -> StrategySpec:
 
 
 @pytest.fixture(scope="module")
-def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("offload")
+
+
+@pytest.fixture(scope="module")
+def offload_runs(runs_dir: Path) -> list[dict[Any, Any]]:
     """Each rank's results, keyed by scenario name and strategy label."""
-    tmp = tmp_path_factory.mktemp("offload")
-    state_dir = tmp / "state"
+    state_dir = runs_dir / "state"
     state_dir.mkdir()
-    specs = [replace(s, strategies=tuple(on_disk(x, state_dir) for x in s.strategies)) for s in SCENARIOS]
-    results = run_scenarios(specs, 2, tmp)
+    results = run_scenarios([with_files(s, state_dir) for s in SCENARIOS], 2, runs_dir)
     assert not any(state_dir.iterdir()), "state files outlived training"
     return results
 
@@ -116,6 +133,24 @@ def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strate
             close(got, want, f"{what} master")
         for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"], strict=True)):
             compare_optimizer_states(got, want, f"{what} optimizer{i}")
+
+
+@pytest.mark.slow
+def test_infinity_checkpoint_consolidates_to_ddps(offload_runs: list[dict[Any, Any]], runs_dir: Path) -> None:
+    """The checkpoint directory ZeRO-Infinity saved at step 4 consolidates into one file that holds what "ddp" saved at
+    step 4 of the same run: the same keys, the weights and Adam's moments within the fp32 tolerance."""
+    (directory,) = runs_dir.rglob(f"ckpt_ddp-{INFINITY.file_name}.ckpt")
+    (ddp_file,) = runs_dir.rglob("ckpt_ddp-ddp.ckpt")
+    consolidated = torch.load(consolidate_checkpoint(directory, runs_dir / "whole.ckpt", progress=False))
+    expected = torch.load(ddp_file, weights_only=False)
+    assert consolidated["global_step"] == expected["global_step"] == 4
+    assert consolidated["state_dict"].keys() == expected["state_dict"].keys()
+    for key, value in expected["state_dict"].items():
+        close(consolidated["state_dict"][key], value, key)
+    (got,), (want,) = consolidated["optimizer_states"], expected["optimizer_states"]
+    for index, entries in want["state"].items():
+        for key, value in entries.items():
+            close(torch.as_tensor(got["state"][index][key]), torch.as_tensor(value), f"state {index} {key}")
 
 
 @pytest.mark.slow
@@ -167,6 +202,31 @@ def test_disk_state_is_not_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert state == disk["state_bytes"] > 30 * 2**20  # Adam's moments of this rank's 4.2 M elements
         assert disk["file_rss"] == 0, f"rank {rank}: {disk['file_rss']} bytes of state files still resident"
         assert disk["rss"] < memory["rss"] - state // 2, (rank, disk["rss"], memory["rss"], state)
+        torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_infinity_keeps_shards_and_gradients_in_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a step's gradients are all there, every parameter and gradient shard (not the replicated 0-dim one) under
+    ``offload_parameters="disk"`` lies in a file under ``offload_dir``, none of their pages is resident, and the rank
+    holds less memory than the same run with the shards in host memory, by at least half of those bytes (glibc
+    returns freed blocks to the system, as in the test above); training ends with the same weights."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    offload_dir = tmp_path / "files"
+    offload_dir.mkdir()
+    in_memory = resident(on_disk(StrategySpec("zero3", {**UNITS, "offload_parameters": True, "offload_optimizer":
+                                                        "disk"}), offload_dir), tmp_path, offload_dir)  # fmt: skip
+    in_files = resident(on_disk(INFINITY, offload_dir), tmp_path, offload_dir)
+    for rank, (memory, disk) in enumerate(zip(in_memory, in_files, strict=True)):
+        shards = disk["param_bytes"] + disk["grad_bytes"]
+        assert disk["param_bytes"] == memory["param_bytes"] > 15 * 2**20, rank  # 4.2 M of 8.4 M fp32 elements
+        assert disk["grad_bytes"] == memory["grad_bytes"] == disk["param_bytes"], rank
+        # all but the 0-dim temperature (4 bytes), which every rank keeps whole (replicated), as in every stage 3
+        assert disk["param_file_bytes"] == disk["param_bytes"] - 4, rank
+        assert disk["grad_file_bytes"] == disk["grad_bytes"] - 4, rank
+        assert memory["param_file_bytes"] == memory["grad_file_bytes"] == 0, rank
+        assert disk["step_file_rss"] == 0, f"rank {rank}: {disk['step_file_rss']} bytes of shard files resident"
+        assert disk["step_rss"] < memory["step_rss"] - shards // 2, (rank, disk["step_rss"], memory["step_rss"])
         torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
 
 

@@ -168,7 +168,8 @@ class ParameterFiles:
         grad = param.grad
         assert isinstance(grad, DTensor)
         local = grad.to_local()
-        if local.numel() == 0:  # this rank holds no rows of it
+        if local.numel() == 0:  # this rank holds no rows of it (nor a gradient file region)
+            files.advise(mmap.MADV_DONTNEED, region)
             return
         if local.numel() * local.element_size() > region.nbytes:
             raise RuntimeError(

@@ -1,5 +1,6 @@
 """Runs inside each of N processes: trains a wide classifier under one strategy and records, after training, this
-process's resident memory and the bytes of optimizer state it keeps, for tests/test_offload.py."""
+process's resident memory and the bytes of optimizer state it keeps, and, once the gradients of a step are all there,
+its resident memory and where the parameter and gradient shards live, for tests/test_offload.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.memory import storage_bytes
 from tests.oracle import full
@@ -36,15 +38,54 @@ def resident_file_bytes(directory: str) -> int:
     return total
 
 
+def file_ranges(directory: str) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files under ``directory`` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith(directory):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def bytes_in_files(tensors: list[torch.Tensor], directory: str) -> int:
+    """Bytes of ``tensors`` (local shards) whose memory lies in a mapping of a file under ``directory``."""
+    ranges = file_ranges(directory)
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if t.numel() and any(start <= t.data_ptr() < end for start, end in ranges)
+    )
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class Record(pl.Callback):
     def __init__(self, offload_dir: str) -> None:
         self.offload_dir = offload_dir
         self.result: dict[str, Any] = {}
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, *_: Any) -> None:
+        if "step_rss" in self.result:
+            return
+        params = [local(p.detach()) for p in module.parameters()]
+        grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
+        self.result |= {
+            "step_rss": resident_bytes(),
+            "step_file_rss": resident_file_bytes(self.offload_dir),
+            "param_bytes": storage_bytes(params),
+            "param_file_bytes": bytes_in_files(params, self.offload_dir),
+            "grad_bytes": storage_bytes(grads),
+            "grad_file_bytes": bytes_in_files(grads, self.offload_dir),
+        }
+
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        self.result = {
+        self.result |= {
             "rss": resident_bytes(),
             "file_rss": resident_file_bytes(self.offload_dir),
             "state_bytes": storage_bytes(state),
