@@ -41,7 +41,7 @@ def test_maps_what_it_can_and_names_the_rest() -> None:
     with pytest.warns(UserWarning) as record:
         strategy = lightning_zero.ZeroStrategy.from_deepspeed_config(LIGHTNING_STYLE)
     config = strategy.config
-    assert config.stage is Stage.PARAMETERS and config.master_weights and config.offload_parameters
+    assert config.stage is Stage.PARAMETERS and config.master_weights and config.offload_parameters is OffloadTarget.CPU
     assert config.offload_optimizer is OffloadTarget.CPU and not config.pin_memory and config.shard_group_size == 2
     assert len(record) == 1
     message = str(record[0].message)
@@ -81,13 +81,41 @@ def test_buckets_nvme_and_reduce_dtype_from_a_json_file(tmp_path: Path) -> None:
             "warmup_num_steps must be a positive integer",
         ),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantizes.*HINT"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "host memory only here. HINT"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "nvme_path": "/a"},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/b"},
+                }
+            },
+            "both go in one offload directory here. HINT: give both sections the same nvme_path",
+        ),
         ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "one of bf16"),
     ],
 )
 def test_what_would_change_results_is_refused(config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         lightning_zero.ZeroStrategy.from_deepspeed_config(config)
+
+
+def test_zero_infinity(tmp_path: Path) -> None:
+    """``offload_param.device="nvme"`` is ZeRO-Infinity: the shards on disk at ``nvme_path``, DeepSpeed's
+    ``max_in_cpu`` parameter elements kept in memory, ``buffer_count`` buffers (one in use, the rest read ahead); the
+    optimizer state follows to disk unless ``offload_optimizer`` keeps it in host memory."""
+    param = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 1e6, "buffer_count": 4, "buffer_size": 1e8}
+    with pytest.warns(UserWarning, match="offload_param.buffer_size"):
+        config = lightning_zero.ZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 3,
+                                                                    "offload_param": param}}).config  # fmt: skip
+    assert config.offload_parameters is config.offload is OffloadTarget.DISK and config.offload_dir == tmp_path
+    assert config.max_in_cpu == 1_000_000 and config.prefetch_units == 3
+    both = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "cpu"}}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DeepSpeed's default clipping, named
+        config = lightning_zero.ZeroStrategy.from_deepspeed_config({"zero_optimization": both}).config
+    assert config.offload_parameters is OffloadTarget.DISK and config.offload is OffloadTarget.CPU
+    assert config.max_in_cpu == 0 and config.prefetch_units == 2  # this package's defaults where none is given
 
 
 def test_deepspeeds_default_clipping_is_named() -> None:

@@ -11,6 +11,7 @@ tests/oracle.py, which covers the gradient reductions' own ulps.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,9 +24,9 @@ import pytest
 import torch
 
 from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy, consolidate_checkpoint
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.target import OffloadTarget, memory_filesystem
 from tests.launch import REPO, launch
-from tests.oracle import BY_PRECISION, FP32, close, compare_optimizer_states, compare_runs
+from tests.oracle import BY_PRECISION, FP32, close, compare_optimizer_states, compare_runs, full
 from tests.scenarios import Scenario, StrategySpec, read_results, run_scenarios, write_payload
 
 HOST1 = StrategySpec("zero1", {"offload_optimizer": True})
@@ -40,15 +41,19 @@ UNITS = {"offload_parameters": "disk", "auto_wrap_policy": {"torch.nn.Linear"}}
 INFINITY = StrategySpec("zero3", UNITS, label="zero3_infinity")
 INFINITY_HOST = StrategySpec("zero3", {**UNITS, "offload_optimizer": True}, label="zero3_inf_host")
 INFINITY_KEPT = StrategySpec("zero3", {**UNITS, "max_in_cpu": 1000}, label="zero3_inf_kept")
+STAGES = ("zero3", "zero2", "zero1")
+ZERO2 = StrategySpec("zero2")
 MASTERS2, MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True}) for s in (2, 3))
 HOST_MASTERS2, HOST_MASTERS3 = (StrategySpec(f"zero{s}", {"master_weights": True, **HOST1.options}) for s in (2, 3))
 
 SCENARIOS = [
     Scenario(
         "adam",
-        strategies=["ddp", HOST1, "zero2_offload", DISK2, HOST3, "zero3_offload", DISK3, INFINITY, INFINITY_HOST,
-                    INFINITY_KEPT],
-    ),  # fmt: skip
+        strategies=[
+            *("ddp", HOST1, "zero2_offload", DISK2, HOST3, "zero3_offload", DISK3),
+            *(INFINITY, INFINITY_HOST, INFINITY_KEPT),
+        ],
+    ),
     Scenario(
         "clip_accumulate",
         trainer_kwargs={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
@@ -66,11 +71,11 @@ SCENARIOS = [
     # ZeRO-Infinity's checkpoint directories are any stage 3 run's: saved at step 4 under it and resumed under other
     # stages (against the run resumed under it), and saved under stage 2 and resumed under it; `ckpt_ddp` also saves
     # under "ddp" at step 4, the file the consolidated directory is compared with
-    Scenario("infinity_to_stages", resume_at=4, max_steps=6, save_with=INFINITY, strategies=[INFINITY, "zero3",
-             "zero2", "zero1"]),  # fmt: skip
-    Scenario("stage2_to_infinity", resume_at=4, max_steps=6, save_with=StrategySpec("zero2"),
-             strategies=["zero2", INFINITY]),  # fmt: skip
+    Scenario("infinity_to_stages", resume_at=4, max_steps=6, save_with=INFINITY, strategies=[INFINITY, *STAGES]),
+    Scenario("stage2_to_infinity", resume_at=4, max_steps=6, save_with=ZERO2, strategies=[ZERO2, INFINITY]),
     Scenario("ckpt_ddp", resume_at=4, max_steps=5, strategies=["ddp", INFINITY]),
+    # two parameter groups of their own settings, each stepped one unit at a time
+    Scenario("adamw_groups", module_kwargs={"optimizer": "adamw_groups"}, strategies=["ddp", INFINITY]),
     # ZeRO mixed precision: fp32 masters of a bf16 module on the host; the reference keeps them on the device
     Scenario("bf16_masters_zero2", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS2, HOST_MASTERS2]),
     Scenario("bf16_masters_zero3", trainer_kwargs={"precision": "bf16-true"}, strategies=[MASTERS3, HOST_MASTERS3]),
@@ -237,7 +242,7 @@ def test_registered_names() -> None:
     zero2 = pl.Trainer(accelerator="cpu", devices=2, strategy="zero2_offload", logger=False).strategy
     zero3 = pl.Trainer(accelerator="cpu", devices=2, strategy="zero3_offload", logger=False).strategy
     assert isinstance(zero2, Zero2Strategy) and zero2.config.offload is OffloadTarget.CPU
-    assert isinstance(zero3, Zero3Strategy) and zero3.config.offload_parameters
+    assert isinstance(zero3, Zero3Strategy) and zero3.config.offload_parameters is OffloadTarget.CPU
     assert zero3.config.offload is OffloadTarget.CPU
 
 
@@ -249,6 +254,13 @@ def test_registered_names() -> None:
         ({"stage": 2, "offload_optimizer": "disk"}, "`offload_dir=None`"),
         ({"stage": 2, "offload_dir": "/tmp"}, "is used only by `offload_optimizer='disk'`"),
         ({"stage": 3, "pin_memory": "yes"}, "`pin_memory='yes'` must be True or False"),
+        ({"stage": 2, "offload_parameters": "disk"}, "`offload_parameters='disk'` moves the parameter shards of"),
+        ({"stage": 3, "offload_parameters": "ssd"}, "`offload_parameters='ssd'` is not a place for the parameter"),
+        ({"stage": 3, "offload_parameters": "disk"}, "`offload_parameters='disk'` keeps state in files, but `offload"),
+        ({"stage": 3, "max_in_cpu": 10}, "`max_in_cpu=10` shapes how parameter shards on disk are read"),
+        ({"stage": 3, "offload_parameters": True, "prefetch_units": 4}, "HINT: pass `offload_parameters='disk'`"),
+        ({"stage": 3, "offload_parameters": "disk", "prefetch_units": -1}, "`prefetch_units=-1` must be a whole"),
+        ({"stage": 3, "max_in_cpu": 1.5}, "`max_in_cpu=1.5` must be a whole number"),
     ],
 )
 def test_bad_options(options: dict[str, Any], message: str) -> None:
@@ -308,6 +320,76 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
     assert f"ERROR: Could not reserve 2097152 bytes for optimizer state in `{tmp_path}`" in done.stdout
     assert "HINT: free space on that disk" in done.stdout
     assert "KEPT: True" in done.stdout
+
+
+@pytest.mark.slow  # trains in this process
+@pytest.mark.parametrize(
+    ("optimizer", "message"),
+    [
+        ("lars", "`tests.workers.modules.Lars` is not known to. HINT: use a `torch.optim` optimizer"),
+        ("hooked", "Adam has step hooks, and `offload_parameters='disk'` steps it once per unit"),
+    ],
+)
+def test_infinity_refuses_what_stepping_by_unit_could_change(tmp_path: Path, optimizer: str, message: str) -> None:
+    """An optimizer not known to update each parameter from its own gradient and state, or one with step hooks, is
+    refused at its first step, before anything is updated."""
+    from tests.workers.modules import Classifier
+
+    class Hooked(Classifier):
+        def configure_optimizers(self) -> Any:
+            adam = torch.optim.Adam(self.parameters())
+            adam.register_step_pre_hook(lambda *_: None)
+            return adam
+
+    module = Hooked() if optimizer == "hooked" else Classifier(optimizer=optimizer)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    strategy = Zero3Strategy(offload_parameters="disk", offload_dir=tmp_path)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.fit(module)
+    after = trainer.lightning_module.state_dict()
+    for key, value in before.items():
+        assert torch.equal(full(after[key]), value), key
+
+
+def test_infinity_full_disk_is_reported(tmp_path: Path) -> None:
+    """A file-size limit stands in for a full disk: reserving a unit's file fails with an error naming the directory
+    and the bytes already there, as for optimizer state on disk."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        from lightning_zero._offload.param_files import ParameterFiles
+        from lightning_zero._offload.target import OffloadError
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        files = ParameterFiles(Path({str(tmp_path)!r}), max_in_cpu=0, prefetch=2)
+        files._map(1 << 19, "parameter shards")
+        try:
+            files._map(2 << 20, "gradient shards")
+        except OffloadError as error:
+            print("ERROR:", error)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"ERROR: Could not reserve 2097152 bytes for gradient shards in `{tmp_path}`" in done.stdout
+    assert "524288 bytes of parameter shards and gradients are already there. HINT: free space" in done.stdout
+
+
+def test_memory_filesystem_is_named() -> None:
+    """An offload directory on a filesystem that lives in memory works, with a warning that it saves no memory."""
+    if memory_filesystem(Path("/dev/shm")) is None:
+        pytest.skip("/dev/shm is not a memory filesystem on this machine")
+    with pytest.warns(UserWarning, match="`offload_dir='/dev/shm'` is on a tmpfs filesystem, which lives in memory"):
+        Zero3Strategy(offload_parameters="disk", offload_dir="/dev/shm")
 
 
 def test_memory_report_says_what_is_offloaded() -> None:

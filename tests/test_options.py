@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,14 @@ NAMES = {
     "zero3": (3, {}),
     "zero2_offload": (2, {"offload_optimizer": True}),
     "zero3_offload": (3, {"offload_optimizer": True, "offload_parameters": True}),
+    "zero3_infinity": (3, {"offload_parameters": "disk", "offload_optimizer": "disk",
+                           "offload_dir": tempfile.gettempdir()}),
+}
+# where each name puts the optimizer and the parameter shards (on the device where not named)
+PLACES = {
+    "zero2_offload": (OffloadTarget.CPU, OffloadTarget.DEVICE),
+    "zero3_offload": (OffloadTarget.CPU, OffloadTarget.CPU),
+    "zero3_infinity": (OffloadTarget.DISK, OffloadTarget.DISK),
 }
 FRONT_ENDS = {"trainer": (StrategyRegistry, "lightning_zero.pytorch.strategy"),
               "fabric": (FABRIC_STRATEGIES, "lightning_zero.fabric.strategy")}  # fmt: skip
@@ -90,9 +99,10 @@ def test_front_ends_build_the_registered_classes(name: str) -> None:
         _, module = FRONT_ENDS[front_end]
         assert type(strategy) is getattr(importlib.import_module(module), f"Zero{stage}Strategy"), front_end
         assert strategy.stage == stage and strategy.world_size == 2
-        offloaded = options.get("offload_optimizer", False)
-        assert strategy.config.offload is (OffloadTarget.CPU if offloaded else OffloadTarget.DEVICE)
-        assert strategy.config.offload_parameters is options.get("offload_parameters", False)
+        config = strategy.config
+        assert (config.offload, config.offload_parameters) == PLACES.get(name, (OffloadTarget.DEVICE,) * 2)
+        # ZeRO-Infinity's files go to the system's temporary directory, unless a class with options says otherwise
+        assert config.offload_dir == (Path(options["offload_dir"]) if "offload_dir" in options else None)
 
 
 def test_trainer_resolves_names() -> None:
