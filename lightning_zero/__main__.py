@@ -6,8 +6,8 @@ its pickled files name (custom classes among its hyper-parameters, say); without
 DCP's own classes load. On a terminal a progress bar shows the reading; ``--quiet`` prints nothing but errors.
 
 ``python -m lightning_zero estimate (--params 7.5e9 | --module CLASS_PATH [--ARG VALUE ...]) --ranks 64 [--nodes 8]
-[--precision bf16-true --master-weights] [--offload] [--optimizer adam]`` prints the model-state bytes per rank and
-per node of DDP and each stage as a markdown table. With ``--module``, further ``--ARG VALUE`` pairs are the class's
+[--precision bf16-true --master-weights] [--offload] [--disk] [--optimizer adam]`` prints the model-state bytes per
+rank and per node of DDP and each stage as a markdown table (``--disk``: with ZeRO-Infinity's row and disk columns). With ``--module``, further ``--ARG VALUE`` pairs are the class's
 init arguments (``--size 1b``) and the parameters are counted on the meta device, without allocating them.
 """
 
@@ -79,6 +79,9 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "--master-weights", action="store_true", help="fp32 master weights and optimizer state for 16-bit parameters"
     )
     parser.add_argument("--offload", action="store_true", help="count master weights, optimizer state as host memory")
+    parser.add_argument(
+        "--disk", action="store_true", help="add ZeRO-Infinity's row: stage 3's model state in files on disk"
+    )
     parser.add_argument("--optimizer", default="adam", choices=list(OPTIMIZER_STATES), help="default adam")
     parser.add_argument(
         "--shard-group-size",
@@ -105,6 +108,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: 
             "offload": args.offload,
             "optimizer": args.optimizer,
             "trainable_params": trainable,
+            "disk": args.disk,
         }
         estimates = estimate(num_params, **options)
         if args.shard_group_size is not None:
@@ -133,6 +137,11 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: 
         notes.append(
             "Host columns: master weights and optimizer state, as `offload_optimizer=True` keeps them; offloaded runs"
             " also keep a host copy of each gradient shard, and fp32 masters of an fp32 module's shards."
+        )
+    if args.disk:
+        notes.append(
+            "zero3_infinity (`offload_parameters='disk'`): its model state lives in files under `offload_dir`; device"
+            " and host memory hold the units at work, read ahead of their gathers, and `max_in_cpu` parameter elements."
         )
     print("\n" + "\n".join(notes))
     return 0

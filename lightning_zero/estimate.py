@@ -21,6 +21,10 @@ zero3     1/N         1/N        1/N             16 Psi/N            16 Psi/N
 
 With master weights, stage 3 keeps no separate copy: its fp32 parameter shards are the masters (``fully_shard``
 gathers them as bf16) and their gradient shards are fp32, so it holds 4 + 4 + 8 bytes per parameter / N.
+
+ZeRO-Infinity (``offload_parameters="disk"``, the ``zero3_infinity`` row with ``disk=True``) holds stage 3's model
+state in files: its device and host memory hold only the units at work (and ``max_in_cpu`` parameter elements), which
+the estimate leaves out like activations; its disk column is stage 3's total.
 """
 
 from __future__ import annotations
@@ -68,15 +72,28 @@ class MemoryEstimate:
     per_rank: ModelStateBytes  # bytes of each category on one rank (shares rounded up)
     ranks_per_node: int
     offload: bool  # master weights and optimizer state live in host memory instead of device memory
+    on_disk: bool = False  # the whole model state lives in files (ZeRO-Infinity)
 
     @property
     def device_per_rank(self) -> int:
+        if self.on_disk:
+            return 0
         state = self.per_rank
         return state.total - self.host_per_rank if self.offload else state.total
 
     @property
     def host_per_rank(self) -> int:
-        return self.per_rank.master_weights + self.per_rank.optimizer_state if self.offload else 0
+        if self.on_disk or not self.offload:
+            return 0
+        return self.per_rank.master_weights + self.per_rank.optimizer_state
+
+    @property
+    def disk_per_rank(self) -> int:
+        return self.per_rank.total if self.on_disk else 0
+
+    @property
+    def disk_per_node(self) -> int:
+        return self.disk_per_rank * self.ranks_per_node
 
     @property
     def device_per_node(self) -> int:
@@ -115,8 +132,10 @@ def estimate(
     optimizer: str = "adam",
     trainable_params: int | None = None,
     shard_group_size: int | None = None,
+    disk: bool = False,
 ) -> dict[str, MemoryEstimate]:
-    """Model-state bytes for DDP and each ZeRO stage, keyed ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``.
+    """Model-state bytes for DDP and each ZeRO stage, keyed ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` (and
+    ``"zero3_infinity"`` with ``disk``).
 
     Args:
         num_params: Psi, the parameters of the model (a tied matrix counted once).
@@ -131,6 +150,7 @@ def estimate(
         trainable_params: parameters that get gradients and optimizer state; by default all ``num_params``.
         shard_group_size: hybrid sharding (``shard_group_size=`` of the strategies): the stages shard over groups of
             this many ranks and replicate across groups, so their per-rank bytes divide by it instead of N.
+        disk: add ZeRO-Infinity's row: stage 3's model state in files (``offload_parameters="disk"``).
     """
     trainable = num_params if trainable_params is None else trainable_params
     _check_counts(num_params, trainable, num_ranks, num_nodes)
@@ -161,6 +181,9 @@ def estimate(
             optimizer_state=_share(state_bytes * trainable, sharding.optimizer, shards),
         )
         estimates[name] = MemoryEstimate(name, per_rank, num_ranks // num_nodes, offload)
+    if disk:
+        zero3 = estimates["zero3"]
+        estimates["zero3_infinity"] = MemoryEstimate("zero3_infinity", zero3.per_rank, zero3.ranks_per_node, True, True)
     return estimates
 
 
@@ -223,15 +246,21 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def format_table(estimates: dict[str, MemoryEstimate]) -> str:
-    """A markdown table with a row per strategy; with offload, device and host bytes in columns of their own."""
+    """A markdown table with a row per strategy; with offload, device and host bytes in columns of their own, and with
+    a ZeRO-Infinity row, disk bytes too."""
     offload = next(iter(estimates.values())).offload
+    disk = any(est.on_disk for est in estimates.values())
     if offload:
         header = [
             "strategy", "params", "grads", "optimizer+master (host)",
             "device per rank", "host per rank", "device per node", "host per node",
         ]  # fmt: skip
+    elif disk:
+        header = ["strategy", "params", "grads", "optimizer+master", "memory per rank", "memory per node"]
     else:
         header = ["strategy", "params", "grads", "optimizer+master", "total per rank", "total per node"]
+    if disk:
+        header += ["disk per rank", "disk per node"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, est in estimates.items():
         state = est.per_rank
@@ -240,5 +269,7 @@ def format_table(estimates: dict[str, MemoryEstimate]) -> str:
             cells += [est.device_per_rank, est.host_per_rank, est.device_per_node, est.host_per_node]
         else:
             cells += [est.device_per_rank, est.device_per_node]
+        if disk:
+            cells += [est.disk_per_rank, est.disk_per_node]
         lines.append("| " + " | ".join([f"`{name}`", *map(format_bytes, cells)]) + " |")
     return "\n".join(lines)

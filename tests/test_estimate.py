@@ -350,3 +350,18 @@ def test_memory_report_on_one_device() -> None:
         want = getattr(expected, category)
         assert printed_estimate == format_bytes(want)
         assert abs(got - want) <= 4 * 10 + rounding, f"{category}: {got} vs {want}\n{reports[0]}"
+
+
+def test_zero_infinity_row_holds_stage_3_on_disk() -> None:
+    """With ``disk``, ZeRO-Infinity's row holds stage 3's model state (16 Psi / N in fp32 Adam) on disk, none of it in
+    device or host memory; the other rows hold nothing on disk; the table gains the disk columns."""
+    psi, n = 1_700_000_000, 2
+    got = estimate(psi, num_ranks=n, disk=True)
+    infinity, zero3 = got["zero3_infinity"], got["zero3"]
+    assert infinity.disk_per_rank == zero3.device_per_rank == 16 * psi // n
+    assert infinity.device_per_rank == infinity.host_per_rank == 0 and infinity.disk_per_node == 16 * psi
+    assert all(e.disk_per_rank == 0 for name, e in got.items() if name != "zero3_infinity")
+    table = format_table(got)
+    assert "| disk per rank | disk per node |" in table
+    assert "| `zero3_infinity` | 3.2 GiB | 3.2 GiB | 6.3 GiB | 0 B | 0 B | 12.7 GiB | 25.3 GiB |" in table
+    assert "disk per rank" not in format_table(estimate(psi, num_ranks=n))

@@ -46,10 +46,11 @@ SCENARIOS = [
     # units (the blocks), a tied embedding, a unit called twice; stage 3's optimizer built on the shards
     FabricScenario("setup_separately", module="tied_lm", strategies=EVERY_STAGE, setup=Setup.SEPARATELY),
     # a global norm over the shards; stage 3 keeps each unit's gradients across the micro-batches of `no_backward_sync`
+    # with the shards, gradients and optimizer state in files too (`"zero3_infinity"`, under the temporary directory)
     FabricScenario(
         "accumulate_clip_norm",
         module="tied_lm",
-        strategies=EVERY_STAGE,
+        strategies=(*EVERY_STAGE, "zero3_infinity"),
         steps=3,
         accumulate=3,
         clip=Clip(ClipBy.NORM, 0.5),
@@ -57,10 +58,10 @@ SCENARIOS = [
     FabricScenario("clip_value", strategies=EVERY_STAGE, clip=Clip(ClipBy.VALUE, 0.01)),
     # stage 3 creates the parameters on the meta device and materialises them shard by shard: the values eager
     # construction gives under the same seed
-    FabricScenario("init_module", module="tied_lm", strategies=("ddp", ZERO3), init_module=True),
+    FabricScenario("init_module", module="tied_lm", strategies=("ddp", ZERO3, "zero3_infinity"), init_module=True),
     FabricScenario("bf16_mixed", module_kwargs=SGD, strategies=EVERY_STAGE, steps=4, precision="bf16-mixed"),
     FabricScenario("bf16_true", module_kwargs=SGD, strategies=EVERY_STAGE, steps=4, precision="bf16-true"),
-    FabricScenario("offload", strategies=("ddp", "zero2_offload", "zero3_offload")),
+    FabricScenario("offload", strategies=("ddp", "zero2_offload", "zero3_offload", "zero3_infinity")),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 PAIRS = [(s.name, strategy) for s in SCENARIOS for strategy in s.compared]

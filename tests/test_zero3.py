@@ -43,6 +43,8 @@ VARIANTS = [
     StrategySpec("zero3", {"auto_wrap_policy": 1000, "activation_checkpointing": {Block}}, label="zero3_min_params"),
     StrategySpec("zero3", {"auto_wrap_policy": blocks_only}, label="zero3_callable"),
     StrategySpec("zero3", CHECKPOINTED, label="zero3_checkpointed"),
+    # shards, gradients and optimizer state in files, re-read for the recomputation
+    StrategySpec("zero3_infinity", CHECKPOINTED, label="zero3_infinity_checkpointed"),
 ]
 STAGES_1_2_CHECKPOINTED = [StrategySpec(f"zero{s}", CHECKPOINTED, label=f"zero{s}_checkpointed") for s in (1, 2)]
 ZERO2 = StrategySpec("zero2")
@@ -77,7 +79,12 @@ SCENARIOS = [
     scenario("resume_from_ddp_file", "tied_lm", resume_at=4, max_steps=6, save_with=StrategySpec("ddp")),
     scenario("resume_from_zero2_dir", "tied_lm", ["zero2", "zero3"], resume_at=4, max_steps=6, save_with=ZERO2),
     # layers built in configure_model: created on the meta device, materialised shard by shard
-    scenario("configure_model", "tied_lm", module_kwargs={"build_in_configure_model": True}),
+    scenario(
+        "configure_model",
+        "tied_lm",
+        ["ddp", "zero3", "zero3_infinity"],
+        module_kwargs={"build_in_configure_model": True},
+    ),
     scenario("memory", "tied_lm", module_kwargs=MEMORY, max_steps=2),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
