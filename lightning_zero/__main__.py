@@ -6,9 +6,10 @@ its pickled files name (custom classes among its hyper-parameters, say); without
 DCP's own classes load. On a terminal a progress bar shows the reading; ``--quiet`` prints nothing but errors.
 
 ``python -m lightning_zero estimate (--params 7.5e9 | --module CLASS_PATH [--ARG VALUE ...]) --ranks 64 [--nodes 8]
-[--precision bf16-true --master-weights] [--offload] [--disk] [--optimizer adam]`` prints the model-state bytes per
-rank and per node of DDP and each stage as a markdown table (``--disk``: with ZeRO-Infinity's row and disk columns). With ``--module``, further ``--ARG VALUE`` pairs are the class's
-init arguments (``--size 1b``) and the parameters are counted on the meta device, without allocating them.
+[--precision bf16-true --master-weights] [--offload] [--disk] [--optimizer adam]`` prints the model-state bytes per rank
+and per node of DDP and each stage as a markdown table (``--disk``: with ZeRO-Infinity's row and disk columns). With
+``--module``, further ``--ARG VALUE`` pairs are the class's init arguments (``--size 1b``) and the parameters are
+counted on the meta device, without allocating them.
 """
 
 from __future__ import annotations

@@ -87,8 +87,22 @@ class ParameterFiles:
     # --- setting up -------------------------------------------------------------------------------------------------
 
     def adopt(self, root: nn.Module, units: list[nn.Module]) -> None:
-        """Move the shards of ``units`` and of ``root`` (the last unit) into files and hook their forwards and
-        gradients; ``max_in_cpu`` elements of the first units in ``root``'s module order stay in memory."""
+        """At the start of ``root``'s first forward, move the shards of ``units`` and of ``root`` into files and hook
+        their forwards and gradients (see :meth:`_move`)."""
+        handle = None
+
+        def first_forward(*_: Any) -> None:
+            assert handle is not None
+            handle.remove()
+            self._move(root, units)
+
+        # after `fully_shard`'s own pre-forward hook, whose lazy set-up re-pads each shard (torch 2.8 copies an
+        # unevenly sharded one into new memory there, which would take it out of its file)
+        handle = root.register_forward_pre_hook(first_forward)
+
+    def _move(self, root: nn.Module, units: list[nn.Module]) -> None:
+        """Move the shards of ``units`` and ``root`` into files; ``max_in_cpu`` elements of the first units in
+        ``root``'s module order stay in memory."""
         order = {module: index for index, module in enumerate(root.modules())}
         paths = {module: path for path, module in root.named_modules()}
         kept = 0

@@ -67,15 +67,11 @@ def gather_for_recompute(module: nn.Module) -> None:
 
 
 def unit_shards(unit: FSDPModule) -> list[Any]:
-    """The ``FSDPParam`` of each parameter ``unit`` gathers (not those of units inside it), each first brought up to
-    date with the module's parameter (``reset_sharded_param``: a module ``_apply`` may have replaced it)."""
+    """The ``FSDPParam`` of each parameter ``unit`` gathers (not those of units inside it), as its lazy set-up (at
+    the root's first forward) left them."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-    shards = [shard for group in groups if group is not None for shard in group.fsdp_params]
-    with torch.no_grad():
-        for shard in shards:
-            shard.reset_sharded_param()
-    return shards
+    return [shard for group in groups if group is not None for shard in group.fsdp_params]
 
 
 def padded_shard(shard: Any) -> torch.Tensor:
