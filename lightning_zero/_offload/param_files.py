@@ -1,11 +1,13 @@
 """Stage 3's parameter shards and their gradients in memory-mapped files (``offload_parameters="disk"``,
 ZeRO-Infinity).
 
-Each unit's shards on this rank live in one nameless file under the offload directory, mapped shared, one page-aligned
-region per parameter; its gradient shards in a second file, made at its first backward. The process holds a file's
-pages only while it works on them, and the kernel reads them ahead and writes them back:
+From the root's first forward on, each unit's shards on this rank live in one nameless file under the offload
+directory, mapped shared, one page-aligned region per parameter; its gradient shards in a second file, made at its
+first backward. The process holds a file's pages only while it works on them, and the kernel reads them ahead and
+writes them back:
 
-- before a unit's forward, the next ``prefetch`` units in forward order are read ahead (``MADV_WILLNEED``: the kernel
+- before a unit's forward, the next ``prefetch`` units in the root's module order (taken as the order of the
+  forward) are read ahead (``MADV_WILLNEED``: the kernel
   reads them while this unit computes); after its forward, its pages leave the process (``MADV_DONTNEED``; a shared
   mapping keeps their data in the file);
 - as a unit's gradient shards arrive in backward (``fully_shard`` calls the parameter's post-accumulate-grad hooks),
@@ -78,8 +80,7 @@ class ParameterFiles:
         self.directory = directory
         self.max_in_cpu = max_in_cpu
         self.prefetch = prefetch
-        self.units: list[UnitFiles] = []  # in forward order once a forward has run, else in the root's order
-        self._seen: list[UnitFiles] = []  # the order of the forward under way
+        self.units: list[UnitFiles] = []  # in the root's module order, taken for the forward order
         self._of_param: dict[int, UnitFiles] = {}  # id(parameter) -> its unit
         self._in_backward: set[str] = set()  # units whose gradients arrived in the backward under way
         self._bytes = 0
@@ -119,6 +120,7 @@ class ParameterFiles:
             self.units.append(files)
             unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
             unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
+        root.register_forward_pre_hook(lambda *_: self._in_backward.clear())  # a new step
 
     def _to_files(self, name: str, shards: list[Any]) -> UnitFiles | None:
         regions, offset = [], 0
@@ -161,13 +163,7 @@ class ParameterFiles:
     # --- forward and backward ---------------------------------------------------------------------------------------
 
     def _before_forward(self, files: UnitFiles) -> None:
-        """Read this unit and the next ``prefetch`` ahead; learn the forward order from the first forward."""
-        if files in self._seen:  # a new forward (of the whole module, or a unit called again)
-            if len(self._seen) == len(self.units):
-                self.units = self._seen
-            self._seen = []
-        self._seen.append(files)
-        self._in_backward.clear()
+        """Read this unit and the next ``prefetch`` ahead."""
         index = self.units.index(files)
         for ahead in self.units[index : index + 1 + self.prefetch]:
             ahead.advise(mmap.MADV_WILLNEED)
