@@ -21,10 +21,9 @@ A new tier (another kind of memory, a different host kernel) is a new subclass, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
+from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
@@ -214,67 +214,3 @@ def placement_for(
             assert offload_dir is not None  # the options require it
             return OnDisk(offload_dir, pin_memory=pin_memory, parameter_files=parameter_files)
     raise ValueError(f"No placement for {target}.")
-
-
-# Optimizers whose update of each parameter reads only that parameter's gradient and state, so that stepping on one
-# unit's parameters at a time updates each as one step on all would: torch's own, but L-BFGS (a closure over all).
-_PER_PARAMETER = ("torch.optim.",)
-_WHOLE = ("LBFGS",)
-
-
-def check_per_parameter(optimizer: Optimizer) -> None:
-    """Refuse an optimizer that stepping one unit at a time could change (see :data:`_PER_PARAMETER`), and step hooks
-    (they would run once per unit)."""
-    kind = type(optimizer)
-    if not kind.__module__.startswith(_PER_PARAMETER) or kind.__name__ in _WHOLE:
-        raise ValueError(
-            f"`offload_parameters='disk'` steps the optimizer on one unit's parameters at a time, which equals one"
-            f" step on all only for an optimizer that updates each parameter from its own gradient and state;"
-            f" `{kind.__module__}.{kind.__name__}` is not known to. HINT: use a `torch.optim` optimizer (not LBFGS),"
-            " or keep the parameters in host memory with `offload_parameters=True`."
-        )
-    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
-    if any(hooks):
-        raise ValueError(
-            f"{kind.__name__} has step hooks, and `offload_parameters='disk'` steps it once per unit, which would run"
-            " them once per unit. HINT: remove the hooks (`handle.remove()`), or use `offload_parameters=True`."
-        )
-
-
-@contextmanager
-def one_unit_at_a_time(
-    optimizer: Optimizer, files: ParameterFiles, after_chunk: Callable[[], None]
-) -> Generator[None, None, None]:
-    """While in the context, ``optimizer.step`` runs the closure on all parameters (a precision plugin's gradient
-    clipping sees them all), then steps on one unit's parameters at a time (:meth:`ParameterFiles.chunks`), calling
-    ``after_chunk`` after each, so that the process holds one unit's shards, gradients and state at a time."""
-    check_per_parameter(optimizer)
-    previous = optimizer.__dict__.get("step")  # an LR scheduler's wrapper, say
-    step = optimizer.step
-
-    def chunked(closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        groups = [group["params"] for group in optimizer.param_groups]
-        try:
-            for chunk in files.chunks([p for params in groups for p in params]):
-                ids = {id(p) for p in chunk}
-                for group, params in zip(optimizer.param_groups, groups, strict=True):
-                    group["params"] = [p for p in params if id(p) in ids]
-                step()
-                after_chunk()
-        finally:
-            for group, params in zip(optimizer.param_groups, groups, strict=True):
-                group["params"] = params
-        return loss
-
-    optimizer.step = chunked  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if previous is None:
-            del optimizer.step
-        else:
-            optimizer.step = previous  # type: ignore[method-assign]
