@@ -41,3 +41,29 @@ def test_offload_capacity_chart_is_drawn_from_its_rows(tmp_path: Path, monkeypat
     rows = {"plain (no ZeRO), fp32": (20.06, 17.38, 4.2, "GPU"), "zero3_offload, fp32": (0.83, 17.70, 7.6, "host")}
     bench_offload.capacity_chart(rows, "capacity", "a GPU", tmp_path / "capacity.png")
     assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_infinity_benchmark_measures_every_way_and_the_capacity_run(tmp_path: Path) -> None:
+    """The ZeRO-Infinity benchmark at a tiny size: a row of numbers for each way and for the capacity run, the chart,
+    and nothing left in the offload directory."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    argv = [
+        sys.executable, "-m", "benchmarks.bench_infinity", "--width", "64", "--layers", "2", "--steps", "2",
+        "--capacity-layers", "3", "--offload-dir", str(offload), "--chart", str(tmp_path / "infinity.png"),
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.strip("|").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = [[cell.strip() for cell in row] for row in rows if row[0].strip() != "way"]
+    ways = ["ddp", "zero3", "zero3_offload", "zero3_infinity", "zero3_infinity"]  # the last: the capacity run
+    assert [row[0] for row in rows] == ways, done.stdout
+    for row in rows:
+        params, states, per_param, step, largest = (float(row[i]) for i in (1, 2, 4, 5, 6))
+        assert params == pytest.approx((3 if row is rows[-1] else 2) * (64 * 64 + 64) / 1e9, rel=1e-3)
+        assert states > 0 and per_param > 0 and step > 0 and largest > 0, row
+        assert all(float(peak) > 0 for peak in row[3].split(" / ")), row
+    assert "mapped" in done.stdout  # the offload files' note
+    assert done.stdout.count("Peak RSS before the first step") == 2  # the ways', then the capacity run's
+    assert list(offload.iterdir()) == []  # each run's directory removed after it
+    assert (tmp_path / "infinity.png").read_bytes().startswith(b"\x89PNG"), done.stdout

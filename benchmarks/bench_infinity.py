@@ -1,0 +1,386 @@
+"""ZeRO-Infinity on the CPU: host memory per parameter and seconds per step of ``"ddp"``, ``"zero3"``,
+``"zero3_offload"`` and ``"zero3_infinity"``, then a model whose states are larger than the machine's memory.
+
+Run from the repository root: ``python -m benchmarks.bench_infinity [--width 8192 --layers 4 --steps 3]
+[--ways ddp,zero3,zero3_offload,zero3_infinity] [--offload-dir DIR] [--capacity-layers 26]``.
+
+A residual MLP of ``--layers`` blocks ``x + relu(Linear(width, width)(x))``, built in ``configure_model`` (stage 3
+builds it without memory and gives each unit its values shard by shard; ``"ddp"`` builds it whole on every rank), is
+trained with ``torch.optim.Adam`` on random rows (4 a rank a step) by 2 CPU processes, each way in a launch of its own
+so that each peak is its own. ``"zero3_infinity"`` is ``Zero3Strategy(offload_parameters="disk", offload_dir=DIR)``:
+parameter shards, gradients and Adam state in memory-mapped files under a fresh directory below ``--offload-dir``
+(the system's temporary directory by default), removed afterwards. Words of the tables:
+
+- **model states**: fp32 parameters, gradients and Adam's two moments, 16 bytes a parameter, the whole model's;
+- **baseline**: a rank's resident memory after its imports, before the model exists (Python, torch, Lightning);
+- **peak RSS**: a rank's largest resident memory (``ru_maxrss``): file pages count while the process maps them;
+- **host bytes per parameter**: the ranks' peaks less their baselines, summed, over the model's parameters;
+- **largest model (derived)**: the parameters whose bytes at that rate fill the machine's memory, less 2 GiB of
+  headroom and the baselines: a line drawn through one point, not a measurement.
+
+``--capacity-layers N`` then trains ``"zero3_infinity"`` alone at N layers (26 at width 8192: 1.75 B parameters,
+26 GiB of model states). A way other than ``"zero3_infinity"`` whose model states (under ``"ddp"`` one whole copy a
+rank) would not fit the machine's memory is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks import _charts
+from benchmarks._ranks import run_ranks, save_rank_results
+from lightning_zero import Zero3Strategy
+
+GIB = 2**30
+STATE_BYTES = 16  # fp32 parameter, gradient and two Adam moments
+HEADROOM = 2 * GIB  # of the machine's memory, left to the system in the derived largest model
+ROWS = 4  # a rank's batch
+RANKS = 2
+WAYS = ("ddp", "zero3", "zero3_offload", "zero3_infinity")
+HATCHES = {"offload": "//", "infinity": "xx"}  # in the charts, beside each stage's colour
+TIMEOUT = 4 * 3600  # seconds a launch may run: the capacity run moves tens of GB a step through the page cache
+
+
+# --- in a rank -------------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """``x + relu(linear(x))``: one stage-3 unit."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.linear(x))
+
+
+class ResidualMLP(pl.LightningModule):
+    """``layers`` blocks of ``width``, trained to shrink their output on random rows."""
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        super().__init__()
+        self.width, self.layers, self.steps = width, layers, steps
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            self.blocks = nn.ModuleList(Block(self.width) for _ in range(self.layers))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        rows = torch.randn(ROWS * self.steps * self.trainer.world_size, self.width)  # seeded in `worker`
+        return DataLoader(TensorDataset(rows), batch_size=ROWS)
+
+
+class Record(pl.Callback):
+    """A rank's peak before training (the model built and sharded), its seconds per training step, and at the end of
+    training its parameter count and the offload files."""
+
+    def __init__(self, files_dir: Path | None) -> None:
+        self.files_dir = files_dir
+        self.seconds: list[float] = []
+        self.measured: dict[str, int] = {}
+        self._started = 0.0
+
+    def on_train_start(self, *_: Any) -> None:
+        self.measured["peak_before_training"] = peak_rss_bytes()
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.measured["params"] = sum(p.numel() for p in module.parameters())  # a DTensor's numel is the whole's
+        self.measured["page_cache"] = meminfo("Cached")
+        if self.files_dir is not None:  # while the files live: they have no names and go with the process
+            self.measured["mapped_files"] = mapped_bytes(self.files_dir)
+            self.measured["fs_used"] = filesystem_used(self.files_dir)
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmRSS line.")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {key} line.")
+
+
+def filesystem_used(directory: Path) -> int:
+    """Bytes in use on ``directory``'s filesystem, by every process."""
+    fs = os.statvfs(directory)
+    return (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+
+
+def mapped_bytes(directory: Path) -> int:
+    """Bytes of this process's mappings of files under ``directory`` (nameless ones show as ``#inode (deleted)``)."""
+    total = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(f"{directory}/"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            total += end - start
+    return total
+
+
+def strategy(way: str, files_dir: Path | None) -> str | Zero3Strategy:
+    if way == "zero3_infinity":
+        return Zero3Strategy(offload_parameters="disk", offload_dir=files_dir)
+    return way
+
+
+def worker(args: argparse.Namespace) -> None:
+    baseline = rss_bytes()  # after the imports, before the model
+    fs_before = filesystem_used(args.files_dir) if args.files_dir is not None else 0
+    pl.seed_everything(0, verbose=False)
+    record = Record(args.files_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy(args.way, args.files_dir),
+        max_steps=args.steps, callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(ResidualMLP(args.width, args.layers, args.steps))
+    results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, **record.measured}
+    if args.files_dir is not None:
+        results["fs_grew"] = results.pop("fs_used") - fs_before
+    save_rank_results(args.out_dir, int(os.environ["RANK"]), results)
+
+
+# --- the launching process -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One way's launch: what each rank recorded."""
+
+    way: str
+    ranks: list[dict[str, Any]]
+
+    @property
+    def params(self) -> int:
+        return self.ranks[0]["params"]
+
+    @property
+    def per_param(self) -> float:
+        """Host bytes per parameter at the peak: the ranks' peaks less their baselines, over the parameters."""
+        return sum(r["peak_rss"] - r["baseline"] for r in self.ranks) / self.params
+
+    @property
+    def step_seconds(self) -> float:
+        """Median over the steps after the first (which creates Adam's state), of rank 0."""
+        return statistics.median(self.ranks[0]["seconds"][1:])
+
+    def largest(self, mem_total: int) -> float:
+        """Parameters (derived) whose bytes at :attr:`per_param` fill ``mem_total`` less headroom and baselines."""
+        return (mem_total - HEADROOM - sum(r["baseline"] for r in self.ranks)) / self.per_param
+
+
+def sig(value: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits, in plain notation: ``"0.000124"``, ``"9.10"``, ``"1234"``."""
+    if value == 0:
+        return "0"
+    return f"{value:.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
+
+
+def parameter_count(width: int, layers: int) -> int:
+    return layers * (width * width + width)
+
+
+def state_bytes_held(way: str, params: int) -> int:
+    """The machine's bytes of model states under ``way``: ``"ddp"`` holds them whole on every rank."""
+    return STATE_BYTES * params * (RANKS if way == "ddp" else 1)
+
+
+def launch(way: str, args: argparse.Namespace, layers: int) -> Run | str:
+    """Train under ``way`` on :data:`RANKS` ranks: the :class:`Run`, or a table row saying how it failed."""
+    argv = ["--width", str(args.width), "--layers", str(layers), "--steps", str(args.steps), "--way", way]
+    try:
+        if way != "zero3_infinity":
+            return Run(way, run_ranks("benchmarks.bench_infinity", argv, RANKS, timeout=TIMEOUT))
+        with tempfile.TemporaryDirectory(dir=offload_base(args), prefix="bench_infinity-") as files_dir:
+            ranks = run_ranks("benchmarks.bench_infinity", [*argv, "--files-dir", files_dir], RANKS, timeout=TIMEOUT)
+            return Run(way, ranks)
+    except (RuntimeError, TimeoutError) as error:  # the launcher's LaunchError is a RuntimeError
+        lines = str(error).splitlines()
+        cause = next((line for line in reversed(lines) if "Error" in line), lines[0])
+        return f"| {way} | failed: {cause.strip()[:200]} | | | | | |"
+
+
+def offload_base(args: argparse.Namespace) -> Path:
+    """The directory zero3_infinity's own directory is made in."""
+    return args.offload_dir or Path(tempfile.gettempdir())
+
+
+def table(runs: list[Run | str], mem_total: int) -> list[str]:
+    """One row a way: a :class:`Run`, or a line saying why it was skipped."""
+    lines = [
+        "| way | parameters (B) | model states (GiB, 16 B/param) | peak RSS per rank, rank 0 / 1 (GiB)"
+        " | host bytes per parameter at peak | s/step | largest model on this machine (B params, derived) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        if isinstance(run, str):
+            lines.append(run)
+            continue
+        peaks = " / ".join(f"{r['peak_rss'] / GIB:.2f}" for r in run.ranks)
+        lines.append(
+            f"| {run.way} | {sig(run.params / 1e9, 4)} | {sig(STATE_BYTES * run.params / GIB)} | {peaks}"
+            f" | {run.per_param:.2f} | {sig(run.step_seconds)} | {sig(run.largest(mem_total) / 1e9)} |"
+        )
+    return lines
+
+
+def files_note(run: Run, directory: Path) -> str:
+    """What the offload files held at the end of training, beside the page cache and the disk's room."""
+    mapped = " / ".join(sig(r["mapped_files"] / GIB) for r in run.ranks)
+    grew = " / ".join(sig(r["fs_grew"] / GIB) for r in run.ranks)
+    fs = os.statvfs(directory)
+    room = fs.f_bavail * fs.f_frsize
+    return (
+        f"{run.way}, {sig(run.params / 1e9, 4)} B parameters ({sig(STATE_BYTES * run.params / GIB)} GiB of model"
+        f" states): at the end of training rank 0 / 1 mapped {mapped} GiB of files under the offload directory, whose"
+        f" filesystem then used {grew} GiB more than as each rank started (both ranks' files); the page cache held"
+        f" {run.ranks[0]['page_cache'] / GIB:.2f} GiB. The disk has {room / GIB:.0f} GiB free now: files for"
+        f" {sig(room / STATE_BYTES / 1e9)} B parameters."
+    )
+
+
+def setup_peaks(runs: list[Run]) -> str:
+    """Each way's peak RSS per rank before its first step: what building and sharding the model took."""
+    peaks = (" / ".join(sig(r["peak_before_training"] / GIB) for r in run.ranks) for run in runs)
+    return "Peak RSS before the first step (model built and sharded), rank 0 / 1 (GiB): " + ", ".join(
+        f"{run.way} {peak}" for run, peak in zip(runs, peaks, strict=True)
+    )
+
+
+PAGE_CACHE_NOTE = (
+    "Peak RSS counts file pages only while a process maps them; the page cache the kernel keeps of the offload files"
+    " belongs to no process and is not counted: the kernel writes it back and evicts it when memory is wanted."
+)
+
+
+def chart(runs: list[Run], capacity: Run | None, mem_total: int, args: argparse.Namespace) -> None:
+    """Host bytes per parameter and seconds per step of each way; the capacity run's peaks against the memory."""
+    plt = _charts.pyplot()
+    if plt is None or not runs:
+        return
+    panels = 3 if capacity is not None else 2
+    figure, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8))
+    names = [run.way for run in runs][::-1]
+    for y, run in enumerate(runs[::-1]):
+        hatch = HATCHES.get(run.way.rpartition("_")[2])
+        for panel, value, text in ((axes[0], run.per_param, sig(run.per_param)),
+                                   (axes[1], run.step_seconds, f"{sig(run.step_seconds)} s")):  # fmt: skip
+            panel.barh(y, value, color=_charts.color(run.way), edgecolor="black", hatch=hatch)
+            panel.text(value, y, f" {text}", va="center", fontsize=8)
+    axes[0].set(xlabel="host bytes per parameter at peak", title=f"{sig(runs[0].params / 1e9)} B parameters")
+    axes[1].set(xlabel="seconds per step (median after the first)")
+    for panel in axes[:2]:
+        panel.set_yticks(range(len(names)), names)
+        panel.set_xlim(0, panel.get_xlim()[1] * 1.25)
+    if capacity is not None:
+        states = STATE_BYTES * capacity.params / GIB
+        bottom = 0.0
+        for rank, result in enumerate(capacity.ranks):
+            peak = result["peak_rss"] / GIB
+            axes[2].bar(0, peak, bottom=bottom, color=("#2ca02c", "#98df8a")[rank % 2], edgecolor="black",
+                        label=f"peak RSS, rank {rank}")  # fmt: skip
+            bottom += peak
+        axes[2].bar(1, states, color="#d62728", edgecolor="black", label="model states (16 B/param)")
+        axes[2].axhline(mem_total / GIB, color="black", linestyle="--", label=f"MemTotal {sig(mem_total / GIB)} GiB")
+        axes[2].set_xticks([0, 1], ["zero3_infinity\n(both ranks)", "model states"])
+        title = f"{sig(capacity.params / 1e9)} B parameters: {sig(capacity.step_seconds)} s/step"
+        axes[2].set(ylabel="GiB", title=title, ylim=(0, 1.5 * max(states, mem_total / GIB)))
+        axes[2].legend(fontsize=7, loc="upper left", ncols=2)
+        axes[2].grid(axis="y", alpha=0.3)
+    for panel in axes[:2]:
+        panel.grid(axis="x", alpha=0.3)
+    figure.suptitle(f"Residual MLP of width {args.width}, Adam, {RANKS} CPU ranks: what stays in host memory")
+    _charts.save(figure, args.chart, f"{_charts.cpu()} ({RANKS} CPU ranks)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each run, 2 or more")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
+    parser.add_argument("--offload-dir", type=Path, help="where zero3_infinity's directory is made (default: $TMPDIR)")
+    parser.add_argument("--capacity-layers", type=int, help="then zero3_infinity alone at this many layers")
+    parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # inside a rank
+    parser.add_argument("--files-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    _charts.add_chart_argument(parser, "infinity")
+    args = parser.parse_args()
+    if args.way is not None:
+        worker(args)
+        return
+    ways = args.ways.split(",")
+    if unknown := sorted(set(ways) - set(WAYS)):
+        parser.error(f"--ways {args.ways!r} names {unknown}; the ways are {', '.join(WAYS)}")
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: seconds per step are those after the first, so give 2 or more")
+    mem_total = meminfo("MemTotal")
+    print(f"{_charts.cpu()}; MemTotal {mem_total / GIB:.1f} GiB; {RANKS} CPU ranks, each way in its own launch")
+    print(f"Residual MLP, width {args.width}, {args.layers} layers, Adam, {ROWS} rows a rank, {args.steps} steps\n")
+    runs: list[Run | str] = []
+    for way in ways:
+        needs = state_bytes_held(way, parameter_count(args.width, args.layers))
+        if needs > mem_total and way != "zero3_infinity":
+            runs.append(f"| {way} | skipped: needs {needs / GIB:.1f} GiB | | | | | |")
+            continue
+        runs.append(launch(way, args, args.layers))
+    print("\n".join(table(runs, mem_total)), flush=True)
+    measured = [run for run in runs if isinstance(run, Run)]
+    print(f"\n{setup_peaks(measured)}\n{PAGE_CACHE_NOTE}")
+    for run in measured:
+        if run.way == "zero3_infinity":
+            print(files_note(run, offload_base(args)))
+    capacity = None
+    if args.capacity_layers:
+        params = parameter_count(args.width, args.capacity_layers)
+        print(f"\nCapacity: zero3_infinity alone, {args.capacity_layers} layers, {sig(params / 1e9, 4)} B parameters,"
+              f" {sig(STATE_BYTES * params / GIB)} GiB of model states\n", flush=True)  # fmt: skip
+        done = launch("zero3_infinity", args, args.capacity_layers)
+        print("\n".join(table([done], mem_total)), flush=True)
+        if isinstance(done, Run):
+            print(f"{setup_peaks([done])}\n{files_note(done, offload_base(args))}")
+            capacity = done
+    chart(measured, capacity, mem_total, args)
+
+
+if __name__ == "__main__":
+    main()
