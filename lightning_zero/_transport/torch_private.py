@@ -9,6 +9,8 @@ when a torch release moves it.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
   activation checkpointing recomputes in backward where torch does not (torch 2.8).
+- a ``fully_shard`` root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
+  torch; a torch without it gets every unit resharded by hand.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
   none has nothing to release.
 - the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
@@ -61,6 +63,21 @@ def gather_for_recompute(module: nn.Module) -> None:
                 group.wait_for_unshard()
 
 
+def reset_after_failure(root: FSDPModule) -> None:
+    """After an exception aborted a step of ``root`` (a ``fully_shard`` root that ran a forward): reshard every unit,
+    the root included. torch 2.13's ``reset_iter_state`` does, and drops the step's unfinished gathers and gradient
+    reductions as well; torch 2.8 has none, and every unit is resharded here (the root reshards only when told to
+    reshard after forward, which it is not by default)."""
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    root.set_reshard_after_forward(True)
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    root.set_reshard_after_forward(False, recurse=False)
+
+
 def release_mesh_groups() -> None:
     """Make every live ``DeviceMesh`` drop its references to its process groups (``_pg_registry``, in recent torch
     releases). DTensor's caches (sharding propagation, redistribution plans, mesh topology) keep meshes for the life of
@@ -90,5 +107,6 @@ __all__ = [
     "gather_for_recompute",
     "has_run_forward",
     "release_mesh_groups",
+    "reset_after_failure",
     "sync_module_states",
 ]
