@@ -5,6 +5,9 @@ says what changed and what the older releases get.
   values; older releases pass none and take two (:func:`set_up_together`).
 - loading a checkpoint file (:func:`load_file`): Lightning 2.6 passes the user's ``weights_only`` on to
   ``torch.load``; older releases take no such argument and always load the whole pickle (``weights_only=False``).
+- ``weights_only`` itself (:data:`TAKES_WEIGHTS_ONLY`): Lightning 2.6 takes it in ``Trainer.fit`` (and its other
+  entry points), ``fabric.load`` and the strategies' ``load_checkpoint``; older releases in none of them, and their
+  loads reach a strategy without it (``None``: torch's default).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 _SETUP_TAKES_SCHEDULER = "scheduler" in inspect.signature(Strategy.setup_module_and_optimizers).parameters
+TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(Strategy.load_checkpoint).parameters
+"""Whether the installed Lightning's loads take a ``weights_only`` (2.6 on)."""
 
 
 def set_up_together(module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None) -> tuple[Any, ...]:
@@ -34,4 +39,4 @@ def load_file(load: Callable[..., Any], path: Path, weights_only: bool | None) -
     return load(path)
 
 
-__all__ = ["load_file", "set_up_together"]
+__all__ = ["TAKES_WEIGHTS_ONLY", "load_file", "set_up_together"]

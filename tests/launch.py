@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,16 @@ def without_rendezvous(**extra: str) -> dict[str, str]:
     """This process's environment without :data:`RENDEZVOUS`, plus ``extra``: for a process that must set up its own,
     as on a fresh machine."""
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
+
+
+# the line gloo prints as a process group connects (torch 2.8: "[Gloo] Rank 0 is connected to 1 peer ranks. Expected
+# number of connected peer ranks is : 1"); later releases print none
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\..*\n?", re.MULTILINE)
+
+
+def without_gloo_connections(output: str) -> str:
+    """A process's ``output`` without the lines gloo prints as its process groups connect."""
+    return _GLOO_CONNECTED.sub("", output)
 
 
 class LaunchError(RuntimeError):

@@ -25,6 +25,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 import lightning_zero
 from lightning_zero import CheckpointError, consolidate_checkpoint
 from lightning_zero.__main__ import main as command_line
+from lightning_zero._lightning_private import TAKES_WEIGHTS_ONLY
 from tests.scenarios import MODULE_KWARGS, FaultPhase, run_phase
 from tests.workers.modules import Classifier
 
@@ -107,14 +109,24 @@ def consolidate_cli(checkpoint: Path, output: Path, *flags: str) -> None:
         raise CheckpointError(printed.getvalue())
 
 
-def fabric_load(checkpoint: Path, weights_only: bool | None = None) -> dict[str, Any]:
-    """``fabric.load`` of the directory the Trainer saved, into a module and optimizer set up by Fabric."""
+def fabric_load(checkpoint: Path, **options: bool | None) -> dict[str, Any]:
+    """``fabric.load`` of the directory the Trainer saved, into a module and optimizer set up by Fabric, with
+    ``options`` (``weights_only``)."""
     fabric = Fabric(accelerator="cpu", devices=1, strategy="zero2")
     fabric.launch()  # one process: this one
     module = Classifier(**MODULE_KWARGS)
     configured = module.configure_optimizers()  # the optimizer and its scheduler
     model, optimizer = fabric.setup(module, configured["optimizer"])
-    return fabric.load(checkpoint, {"model": model, "optimizer": optimizer}, weights_only=weights_only)
+    return fabric.load(checkpoint, {"model": model, "optimizer": optimizer}, **options)
+
+
+def passing_weights_only(*values: bool | None) -> list[dict[str, bool | None]]:
+    """The keyword arguments of a load that passes each of ``values`` as its ``weights_only``; where the installed
+    Lightning takes none (2.5), of the one load that passes nothing."""
+    return [{"weights_only": value} for value in values] if TAKES_WEIGHTS_ONLY else [{}]
+
+
+NO_WEIGHTS_ONLY = f"Lightning {lightning.__version__} takes no `weights_only` in `fit` nor in `fabric.load`"
 
 
 ENTRY_POINTS: dict[str, Callable[[Path, Path], Any]] = {
@@ -176,27 +188,29 @@ def test_code_planted_in_a_dcp_entry_never_runs(copy: Path, tmp_path: Path) -> N
     assert not marker.exists()
 
 
+REFUSED_FRACTION = r"lightning_zero\.pt refers to `fractions\.Fraction`.*HINT: .*add_safe_globals.*trust_pickle=True"
+
+
 @pytest.mark.slow
 def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, tmp_path: Path) -> None:
     """A hyper-parameter that is neither a tensor nor a plain container: refused by default, as `"ddp"` refuses it in
-    an ordinary checkpoint file; loaded once torch's allow-list names it, or with `weights_only=False` where that
-    reaches the strategy (`fabric.load` passes it on), or with `trust_pickle=True` (consolidation)."""
+    an ordinary checkpoint file (from Lightning 2.6 on); loaded once torch's allow-list names it, or with
+    `weights_only=False` where that reaches the strategy (`fabric.load` passes it on: see the test below), or with
+    `trust_pickle=True` (consolidation)."""
     alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(ratio=Fraction(1, 3)))
-    refused = r"lightning_zero\.pt refers to `fractions\.Fraction`.*HINT: .*add_safe_globals.*trust_pickle=True"
-    for weights_only in (None, True, False):  # Lightning 2.6 passes none of them on: each loads restricted
-        with pytest.raises(CheckpointError, match=refused):
-            fit(copy, weights_only=weights_only)
+    for passed in passing_weights_only(None, True, False):  # Lightning 2.6 passes none on: each loads restricted
+        with pytest.raises(CheckpointError, match=REFUSED_FRACTION):
+            fit(copy, **passed)
     with torch.serialization.safe_globals([Fraction]):
         trainer = fit(copy)
     assert trainer.global_step == 6
     assert trainer.strategy.load_checkpoint(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
-    with pytest.raises(CheckpointError, match=refused):
+    with pytest.raises(CheckpointError, match=REFUSED_FRACTION):
         trainer.strategy.load_checkpoint(copy, weights_only=True)
-    for weights_only in (None, True):  # Fabric passes the user's on
-        with pytest.raises(CheckpointError, match=refused):
-            fabric_load(copy, weights_only)
-    assert fabric_load(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
-    with pytest.raises(CheckpointError, match=refused):
+    for passed in passing_weights_only(None, True):  # Fabric passes the user's on
+        with pytest.raises(CheckpointError, match=REFUSED_FRACTION):
+            fabric_load(copy, **passed)
+    with pytest.raises(CheckpointError, match=REFUSED_FRACTION):
         consolidate_checkpoint(copy, tmp_path / "out.ckpt")
     assert command_line(["consolidate", str(copy), str(tmp_path / "out.ckpt")]) == 2
     for trusted in (lambda: consolidate_checkpoint(copy, tmp_path / "out.ckpt", trust_pickle=True),
@@ -209,8 +223,21 @@ def test_objects_beyond_weights_load_only_when_trusted_as_under_ddp(copy: Path, 
     pl.seed_everything(0)
     ddp = pl.Trainer(accelerator="cpu", devices=1, strategy="ddp", max_steps=6, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(pickle.UnpicklingError, match=r"fractions\.Fraction"):
+    if TAKES_WEIGHTS_ONLY:
+        with pytest.raises(pickle.UnpicklingError, match=r"fractions\.Fraction"):
+            ddp.fit(Classifier(**MODULE_KWARGS), ckpt_path=ordinary)
+    else:  # Lightning 2.5 loads an ordinary file's whole pickle
         ddp.fit(Classifier(**MODULE_KWARGS), ckpt_path=ordinary)
+        assert ddp.global_step == 6
+
+
+@pytest.mark.skipif(not TAKES_WEIGHTS_ONLY, reason=NO_WEIGHTS_ONLY)
+@pytest.mark.slow
+def test_fabric_load_with_weights_only_false_loads_objects_beyond_weights(copy: Path) -> None:
+    """`fabric.load(..., weights_only=False)` reaches the strategy, which then loads the hyper-parameter that the test
+    above sees refused by default."""
+    alter_meta(copy, lambda meta: meta["checkpoint"]["hyper_parameters"].update(ratio=Fraction(1, 3)))
+    assert fabric_load(copy, weights_only=False)["hyper_parameters"]["ratio"] == Fraction(1, 3)
 
 
 @pytest.mark.slow

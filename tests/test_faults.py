@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
+from lightning_zero._transport.torch_private import CUSTOM_COLLECTIVES
 from tests.launch import start, write_payload
 from tests.scenarios import Fault, FaultyRun
 
@@ -47,6 +50,18 @@ def start_runs(
     """Start the runs on 2 ranks, with the strategy's ``timeout`` (long, where the test does not measure it)."""
     write_payload(tmp_path, runs=runs, timeout=timeout, offload_dir=offload_dir)
     return start("tests.workers.faults", [str(tmp_path)], 2, env=env, logs=tmp_path)
+
+
+def gloo_reports(strategy: str) -> bool:
+    """Whether a failed peer reaches rank 0 under ``strategy`` as gloo's own error, which names no rank: under stage 3
+    on a torch whose ``fully_shard`` keeps its own collectives (torch 2.8, where ``CUSTOM_COLLECTIVES`` is false)."""
+    return strategy == "zero3" and not CUSTOM_COLLECTIVES
+
+
+def notes(tmp_path: Path, rank: int, error: dict[str, Any]) -> str:
+    """Where the package's notes on ``rank``'s ``error`` show: below its traceback, or in its log on Python 3.10,
+    which has no notes (the package writes them to stderr there)."""
+    return error["traceback"] if sys.version_info >= (3, 11) else log(tmp_path, rank)
 
 
 def wait_until_trained(procs: list[subprocess.Popen], tmp_path: Path) -> None:
@@ -109,8 +124,9 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
     strategy: str, env: dict | None, when: str, tmp_path: Path
 ) -> None:
     """SIGSTOP rank 1 mid-training, from the test at any moment, or by itself between two steps: rank 0 reports it, by
-    rank and timeout, once ``timeout`` has passed, and exits. Between steps rank 0 first waits in Lightning's broadcast
-    of a SIGTERM flag, whose timeout Lightning swallows: rank 0 still reports after one ``timeout``, not two."""
+    rank and timeout (where gloo reports it, by timeout alone), once ``timeout`` has passed, and exits. Between steps
+    rank 0 first waits in Lightning's broadcast of a SIGTERM flag, whose timeout Lightning swallows: rank 0 still
+    reports after one ``timeout``, not two."""
     fault = Fault.NONE if when == "anywhere" else Fault.RANK1_STOPS_BETWEEN_STEPS
     procs = start_runs([FaultyRun(strategy, fault)], tmp_path, env, timeout=TIMEOUT)
     try:
@@ -125,16 +141,19 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
     finally:
         kill_all(procs)
     (error,) = ended(tmp_path, 0)
-    assert error["type"] == "PeerError", error["traceback"]
     reported = error["caught_at"] - stopped
     print(f"{strategy} {'gloo' if env else 'shared memory'}, stopped {when}: reported {reported:.1f} s, exited"
           f" {exited - stopped:.1f} s after the SIGSTOP, timeout {TIMEOUT} s")
     # rank 0 may already wait in the collective when the SIGSTOP lands (more so on a loaded machine): its timeout then
     # runs out a little before `stopped + TIMEOUT`, never a whole step's time before it
     assert TIMEOUT - STEP_SLACK <= reported < REPORTED_WITHIN
-    shown = f"rank 1 (PID {procs[1].pid})" if env is None else "rank 1"  # gloo does not say which PID it waited for
-    assert f"{shown} did not arrive within {TIMEOUT} s, the process group's timeout" in error["message"]
-    assert "HINT: a rank that does not arrive is alive but elsewhere" in error["message"]
+    if gloo_reports(strategy):  # gloo's timeout, the strategy's
+        assert f"Timed out waiting {TIMEOUT * 1000}ms" in error["message"], error["traceback"]
+    else:
+        assert error["type"] == "PeerError", error["traceback"]
+        shown = f"rank 1 (PID {procs[1].pid})" if env is None else "rank 1"  # gloo does not say which PID it waited for
+        assert f"{shown} did not arrive within {TIMEOUT} s, the process group's timeout" in error["message"]
+        assert "HINT: a rank that does not arrive is alive but elsewhere" in error["message"]
     if when == "between_steps" and hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
         assert "in an earlier collective that its caller went past (`broadcast`" in error["message"]
 
@@ -142,8 +161,8 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
 @pytest.mark.parametrize("env", [None, NO_SHM], ids=["shared-memory", "gloo"])
 def test_a_killed_peer_is_reported_under_zero3(env: dict | None, tmp_path: Path) -> None:
     """SIGKILL rank 1 at the start of a stage-3 training step (it stopped itself there), while rank 0 waits in the
-    step's forward with its units gathered: rank 0's error is the dead peer, within about a second, and nothing fails
-    in the teardown that follows."""
+    step's forward with its units gathered: rank 0's error is the dead peer (gloo's lost connection, where gloo
+    reports it), within about a second, and nothing fails in the teardown that follows."""
     procs = start_runs([FaultyRun("zero3", Fault.RANK1_STOPS_IN_STEP)], tmp_path, env)
     try:
         wait_until_rank1_stopped(procs, tmp_path)
@@ -154,11 +173,14 @@ def test_a_killed_peer_is_reported_under_zero3(env: dict | None, tmp_path: Path)
         kill_all(procs)
     (error,) = ended(tmp_path, 0)
     assert "During handling of the above exception" not in error["traceback"], error["traceback"]
-    assert error["type"] == "PeerError", error["traceback"]
-    if env is None:
-        assert f"rank 1 (PID {procs[1].pid}) exited while this rank waited for it" in error["message"]
+    if gloo_reports("zero3"):
+        assert re.search(r"Connection (reset|closed) by peer", error["message"]), error["traceback"]
     else:
-        assert "with rank 1 failed" in error["message"] and "HINT" in error["message"]
+        assert error["type"] == "PeerError", error["traceback"]
+        if env is None:
+            assert f"rank 1 (PID {procs[1].pid}) exited while this rank waited for it" in error["message"]
+        else:
+            assert "with rank 1 failed" in error["message"] and "HINT" in error["message"]
     print(f"zero3 {'gloo' if env else 'shared memory'}: the dead peer reported {error['caught_at'] - killed:.2f} s"
           " after the SIGKILL")
     assert error["caught_at"] - killed < 3
@@ -245,11 +267,13 @@ def test_a_rank_out_of_memory_ends_every_rank_within_seconds(strategy: str, faul
     elif fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD:  # rank 0 waits in gloo, whose error names no rank: a note does
         assert failed["type"] == "MemoryError", failed["traceback"]
         assert "lightning_zero: rank 1 failed too, with MemoryError: A new thread did not begin within" in (
-            consequence["traceback"]
+            notes(tmp_path, 0, consequence)
         )
     else:
         assert failed["type"] == "MemoryError", failed["traceback"]
-        if strategy != "ddp":  # DDP's error is gloo's `Connection closed by peer`, which names no rank
+        if gloo_reports(strategy):  # gloo's `Connection closed by peer` names no rank: a note does
+            assert "lightning_zero: rank 1 failed too, with MemoryError" in notes(tmp_path, 0, consequence)
+        elif strategy != "ddp":  # DDP's error is gloo's `Connection closed by peer`, which names no rank
             assert consequence["type"] == "PeerError", consequence["traceback"]
             assert f"rank 1 (PID {procs[1].pid}) failed while this rank waited for it, with MemoryError" in (
                 consequence["message"]

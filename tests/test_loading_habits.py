@@ -9,12 +9,14 @@ after each load is compared with ``"ddp"``'s within the fp32 parity tolerance of
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.fsdp._fully_shard import _fsdp_state
 
 from lightning_zero import consolidate_checkpoint
 from tests.launch import launch
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "zero2_full", "zero3_full"]
 SHARDED = ["zero1", "zero2", "zero3"]
 LOADED = {"load_state_dict": 1, "load_raw": 2, "load_raw_lightning_file": 3, "load_after_evaluation": 4}
+# whether the installed torch's `fully_shard` warns of a unit that returns a view (on every rank): torch 2.8's does not
+TORCH_WARNS_OF_VIEWS = "returned a view tensor" in inspect.getsource(_fsdp_state)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,8 @@ def test_misdirected_loads_name_the_call_to_make(results: list[dict[str, Any]], 
 
 
 def test_torchs_warning_of_a_returned_view_comes_once_from_rank_zero(results: list[dict[str, Any]]) -> None:
-    assert [per_rank["zero3"]["view_warnings"] for per_rank in results] == [1] + [0] * (len(results) - 1)
+    on_rank_zero = 1 if TORCH_WARNS_OF_VIEWS else 0
+    assert [per_rank["zero3"]["view_warnings"] for per_rank in results] == [on_rank_zero] + [0] * (len(results) - 1)
 
 
 @pytest.mark.parametrize("strategy", ["zero2_full", "zero3_full"])

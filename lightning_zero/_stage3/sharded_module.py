@@ -49,7 +49,7 @@ from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms, labels
 from lightning_zero._transport.mesh import DataParallelMesh
-from lightning_zero._transport.torch_private import has_run_forward
+from lightning_zero._transport.torch_private import has_run_forward, reset_after_failure
 
 _MIXED = "got mixed torch.Tensor and DTensor"
 _SHARD_OUTSIDE_FORWARD = (
@@ -203,15 +203,7 @@ class ShardedModule:
         assert isinstance(module, FSDPModule)
         if not has_run_forward(module):  # nothing gathered yet, and no per-step state to reset
             return
-        if hasattr(module, "reset_iter_state"):  # torch 2.13
-            module.reset_iter_state()
-            return
-        # Older torch: the root reshards only when told to reshard after forward, which it is not by default.
-        module.set_reshard_after_forward(True)
-        for unit in module.modules():
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
-        module.set_reshard_after_forward(False, recurse=False)
+        reset_after_failure(module)
 
     def _shard_full_tensors(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
         """Before ``load_state_dict`` copies into ``owner``'s parameters: a whole tensor (a full state dict, what

@@ -7,7 +7,8 @@ collective that failed. So each rank *announces* its failure as soon as the fron
 the default process group's store (the rendezvous' TCP store, which every rank reaches); a rank waiting in a
 shared-memory collective reads the announcements of the peers it waits for at each of its polls, and a rank that
 fails *notes* on its own exception what the other ranks announced that differs from it (ranks that all raised the
-same error need no note).
+same error need no note). Python 3.10 has no notes (PEP 678 came with 3.11): there the note is written to stderr,
+above the traceback that follows.
 
 Keys hold the *run* (the count of ``fit`` calls of this process that set up a strategy, equal on every rank), so that
 a rank still tearing down a failed run is never taken for a failure of the next one.
@@ -20,6 +21,7 @@ manage either, and its error must stay the one the user sees.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch.distributed as dist
 
@@ -76,7 +78,14 @@ def note_other_failures(error: BaseException) -> None:
     for rank in range(dist.get_world_size()):
         failure = announced(rank) if rank != me else None
         if failure is not None and failure != own:
-            error.add_note(f"lightning_zero: rank {rank} failed too, with {failure}")
+            _add_note(error, f"lightning_zero: rank {rank} failed too, with {failure}")
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:  # no notes: the traceback printed later would not show it
+        print(note, file=sys.stderr)
 
 
 def _described(error: BaseException) -> str:

@@ -12,6 +12,8 @@ when a torch release moves it.
 - a ``fully_shard`` unit's parameters as it keeps them (:func:`unit_shards`, :func:`move_shard`, :func:`shard_grad`):
   the padded copy of each shard that it gathers from, which parameters offloaded to disk replace with memory-mapped
   files, and the DTensor form of a gradient shard.
+- a ``fully_shard`` root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
+  torch; a torch without it gets every unit resharded by hand.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
   none has nothing to release.
 - the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
@@ -93,6 +95,19 @@ def move_shard(shard: Any, padded: torch.Tensor) -> None:
 def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
     """``local`` (of the shard's unpadded shape) as the DTensor ``fully_shard`` gives a gradient shard."""
     return shard.to_sharded_dtensor(local)
+def reset_after_failure(root: FSDPModule) -> None:
+    """After an exception aborted a step of ``root`` (a ``fully_shard`` root that ran a forward): reshard every unit,
+    the root included. torch 2.13's ``reset_iter_state`` does, and drops the step's unfinished gathers and gradient
+    reductions as well; torch 2.8 has none, and every unit is resharded here (the root reshards only when told to
+    reshard after forward, which it is not by default)."""
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    root.set_reshard_after_forward(True)
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    root.set_reshard_after_forward(False, recurse=False)
 
 
 def release_mesh_groups() -> None:
@@ -126,6 +141,7 @@ __all__ = [
     "move_shard",
     "padded_shard",
     "release_mesh_groups",
+    "reset_after_failure",
     "shard_grad",
     "sync_module_states",
     "unit_shards",
