@@ -22,6 +22,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -126,6 +127,20 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing here: ``setup_module`` places the module as the mode trains it (stage 3 shards it first)."""
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """As ``"ddp"``'s: the total norm before clipping, a plain tensor equal on every rank. The norm of sharded
+        gradients is a DTensor, which torch 2.8 leaves partial (its ``.item()`` would be this rank's part only)."""
+        norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     @override
     def setup_module_and_optimizers(
