@@ -3,6 +3,7 @@ shards, gradients and optimizer state at a time, and what that needs of the opti
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -54,11 +55,14 @@ def one_unit_at_a_time(
             with torch.enable_grad():
                 loss = closure()
         groups = [group["params"] for group in optimizer.param_groups]
+        group_of = {id(p): index for index, params in enumerate(groups) for p in params}
         try:
-            for chunk in files.chunks([p for params in groups for p in params]):
-                ids = {id(p) for p in chunk}
-                for group, params in zip(optimizer.param_groups, groups, strict=True):
-                    group["params"] = [p for p in params if id(p) in ids]
+            for chunk in files.chunks(list(itertools.chain.from_iterable(groups))):
+                narrowed: list[list[torch.Tensor]] = [[] for _ in groups]
+                for param in chunk:
+                    narrowed[group_of[id(param)]].append(param)
+                for group, params in zip(optimizer.param_groups, narrowed, strict=True):
+                    group["params"] = params
                 step()
                 after_chunk()
         finally:

@@ -46,14 +46,7 @@ class DiskState:
 
     def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         nbytes = local.numel() * local.element_size()
-        try:
-            mapping = nameless_mapping(self.directory, nbytes)
-        except OSError as error:
-            raise OffloadError(
-                f"Could not reserve {nbytes} bytes for optimizer state in `{self.directory}`:"
-                f" {error.strerror}; {self._bytes} bytes are already there. HINT: free space on that disk or point"
-                " `offload_dir` at a larger one."
-            ) from error
+        mapping = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
         mapped = torch.frombuffer(mapping, dtype=local.dtype, count=local.numel()).view(local.shape)
         mapped.copy_(local)
         self._maps.append(mapping)
@@ -64,3 +57,15 @@ class DiskState:
         return DTensor.from_local(
             mapped, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
+
+
+def reserve(directory: Path, nbytes: int, what: str, held: str) -> mmap.mmap:
+    """A new nameless file of ``nbytes`` for ``what`` under ``directory``, mapped; a disk without room is an
+    :class:`OffloadError` naming the directory and what is ``held`` there already."""
+    try:
+        return nameless_mapping(directory, nbytes)
+    except OSError as error:
+        raise OffloadError(
+            f"Could not reserve {nbytes} bytes for {what} in `{directory}`: {error.strerror}; {held} are already"
+            " there. HINT: free space on that disk or point `offload_dir` at a larger one."
+        ) from error

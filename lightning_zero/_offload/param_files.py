@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_zero._files import nameless_mapping
-from lightning_zero._offload.target import OffloadError
+from lightning_zero._offload.disk import reserve
 from lightning_zero._transport.torch_private import move_shard, padded_shard, shard_grad, unit_shards
 
 PAGE = mmap.PAGESIZE
@@ -63,7 +62,11 @@ class UnitFiles:
     nbytes: int
     shards: mmap.mmap | None = None
     grads: mmap.mmap | None = None
-    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The unit's parameters in its files, in the files' order."""
+        return [region.shard.sharded_param for region in self.regions]
 
     def advise(self, advice: int, region: Region | None = None) -> None:
         """``madvise`` the unit's pages (or one region's), shards and gradients alike."""
@@ -82,7 +85,7 @@ class ParameterFiles:
         self.prefetch = prefetch
         self.units: list[UnitFiles] = []  # in the root's module order, taken for the forward order
         self._of_param: dict[int, UnitFiles] = {}  # id(parameter) -> its unit
-        self._in_backward: set[str] = set()  # units whose gradients arrived in the backward under way
+        self._in_backward: set[int] = set()  # id() of each unit whose gradients arrived in the backward under way
         self._bytes = 0
 
     # --- setting up -------------------------------------------------------------------------------------------------
@@ -138,21 +141,13 @@ class ParameterFiles:
             move_shard(region.shard, mapped)
             param = region.shard.sharded_param
             self._of_param[id(param)] = files
-            files.params.append(param)
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(lambda p, f=files, r=region: self._grad_arrived(f, r, p))
         files.advise(mmap.MADV_DONTNEED)
         return files
 
     def _map(self, nbytes: int, what: str) -> mmap.mmap:
-        try:
-            mapping = nameless_mapping(self.directory, nbytes)
-        except OSError as error:
-            raise OffloadError(
-                f"Could not reserve {nbytes} bytes for {what} in `{self.directory}`: {error.strerror};"
-                f" {self._bytes} bytes of parameter shards and gradients are already there. HINT: free space on that"
-                " disk or point `offload_dir` at a larger one."
-            ) from error
+        mapping = reserve(self.directory, nbytes, what, f"{self._bytes} bytes of parameter shards and gradients")
         self._bytes += nbytes
         return mapping
 
@@ -170,8 +165,8 @@ class ParameterFiles:
 
     def _grad_arrived(self, files: UnitFiles, region: Region, param: torch.Tensor) -> None:
         """``fully_shard`` set (or accumulated into) ``param.grad``: keep it in the unit's gradient file."""
-        if files.name not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
-            self._in_backward.add(files.name)
+        if id(files) not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
+            self._in_backward.add(id(files))
             index = self.units.index(files)
             for ahead in self.units[max(index - self.prefetch, 0) : index]:
                 ahead.advise(mmap.MADV_WILLNEED)
@@ -212,8 +207,3 @@ class ParameterFiles:
         rest = [p for p in params if id(p) not in self._of_param]
         if rest:
             yield rest
-
-    def release(self) -> None:
-        """Drop every unit's pages from the process (after a checkpoint read or wrote them all, say)."""
-        for files in self.units:
-            files.advise(mmap.MADV_DONTNEED)
