@@ -53,13 +53,14 @@ class Region:
     grad: torch.Tensor | None = None  # its gradient's view of the unit's gradient file, from its first backward
 
 
-@dataclass
+@dataclass(eq=False)
 class UnitFiles:
     """A unit's shards in one file, and their gradients in another."""
 
     name: str
     regions: list[Region]
     nbytes: int
+    index: int = -1  # its place in :attr:`ParameterFiles.units`
     shards: mmap.mmap | None = None
     grads: mmap.mmap | None = None
 
@@ -120,6 +121,7 @@ class ParameterFiles:
             files = self._to_files(paths[unit] or "<root>", shards)
             if files is None:
                 continue
+            files.index = len(self.units)
             self.units.append(files)
             unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
             unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
@@ -159,16 +161,14 @@ class ParameterFiles:
 
     def _before_forward(self, files: UnitFiles) -> None:
         """Read this unit and the next ``prefetch`` ahead."""
-        index = self.units.index(files)
-        for ahead in self.units[index : index + 1 + self.prefetch]:
+        for ahead in self.units[files.index : files.index + 1 + self.prefetch]:
             ahead.advise(mmap.MADV_WILLNEED)
 
     def _grad_arrived(self, files: UnitFiles, region: Region, param: torch.Tensor) -> None:
         """``fully_shard`` set (or accumulated into) ``param.grad``: keep it in the unit's gradient file."""
         if id(files) not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
             self._in_backward.add(id(files))
-            index = self.units.index(files)
-            for ahead in self.units[max(index - self.prefetch, 0) : index]:
+            for ahead in self.units[max(files.index - self.prefetch, 0) : files.index]:
                 ahead.advise(mmap.MADV_WILLNEED)
         grad = param.grad
         assert isinstance(grad, DTensor)
