@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,7 +21,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import labels, shared_memory
-from lightning_zero._transport.torch_private import CUSTOM_COLLECTIVES, AllGather, ReduceScatter
+from lightning_zero._transport.torch_private import (
+    CUSTOM_COLLECTIVES,
+    AllGather,
+    ReduceScatter,
+    before_own_collectives,
+)
 
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
@@ -32,20 +38,19 @@ def install(
     replaced), with a gather ring sized for the largest unit when the ranks share a host. With ``replicas`` (hybrid
     sharding: ``group`` is one shard group), each unit's reduced gradient shards are then averaged across the groups.
     The last module is the root; each unit's collectives are labelled with its path in it (:mod:`.labels`). Returns
-    the shared-memory channel the units' collectives go through, if they do."""
+    the shared-memory channel the units' collectives go through (or, on a torch without pluggable collectives, meet
+    in before each), if they do."""
     if replicas is not None:
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
             module.set_all_reduce_hook(AcrossReplicas(replicas))
     if dist.get_backend(group) != "gloo" or group.size() == 1:
         return None
+    root = fsdp_modules[-1]
+    paths = {module: path for path, module in root.named_modules()}
+    where = {module: (_class_name(root), paths[module]) for module in fsdp_modules}
     if not CUSTOM_COLLECTIVES:
-        # `fully_shard` keeps its own reduce-scatter, which averages by asking gloo for `ReduceOp.AVG`; gloo sums
-        # instead (torch 2.8), silently: have it sum, and `fully_shard` divide the result
-        for module in fsdp_modules:
-            assert isinstance(module, FSDPModule)
-            module.set_force_sum_reduction_for_comms(True)
-        return None
+        return _label_own_collectives(fsdp_modules, group, where)
     channel = shared_memory.channel(group)
     if channel is not None:
         ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
@@ -56,13 +61,31 @@ def install(
                 " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`).",
                 stacklevel=2,
             )
-    root = fsdp_modules[-1]
-    paths = {module: path for path, module in root.named_modules()}
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
-        where = (_class_name(root), paths[module])
-        module.set_custom_all_gather(HostAllGather(channel, labels.unit_gather(*where)))
-        module.set_custom_reduce_scatter(HostReduceScatter(labels.unit_reduce(*where)))
+        module.set_custom_all_gather(HostAllGather(channel, labels.unit_gather(*where[module])))
+        module.set_custom_reduce_scatter(HostReduceScatter(labels.unit_reduce(*where[module])))
+    return channel
+
+
+def _label_own_collectives(
+    fsdp_modules: list[nn.Module], group: ProcessGroup, where: dict[nn.Module, tuple[str, str]]
+) -> shared_memory.Channel | None:
+    """A torch whose ``fully_shard`` keeps its own collectives (torch 2.8): they stay gloo's, and where the ranks
+    share a host they meet in the channel, labelled, just before each, so that ranks that run different units fail
+    at once rather than pair one unit's gather with another's (:mod:`.labels`)."""
+    for module in fsdp_modules:
+        # `fully_shard` averages by asking gloo for `ReduceOp.AVG`, which gloo sums instead, silently: have it sum,
+        # and `fully_shard` divide the result
+        assert isinstance(module, FSDPModule)
+        module.set_force_sum_reduction_for_comms(True)
+    channel = shared_memory.channel(group)
+    if channel is None:
+        return None
+    for module in fsdp_modules:
+        assert isinstance(module, FSDPModule)
+        gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
+        before_own_collectives(module, partial(channel.meet, gather), partial(channel.meet, reduce))
     return channel
 
 

@@ -4,7 +4,9 @@ when a torch release moves it.
 - ``fully_shard``'s pluggable collectives (:class:`AllGather`, :class:`ReduceScatter`), which
   :mod:`.fsdp_comms` implements on CPU process groups; on a torch without them ``fully_shard`` keeps its own
   collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo (and reducing by
-  sum, since gloo's reduce-scatter there sums where it is asked to average).
+  sum, since gloo's reduce-scatter there sums where it is asked to average). There, the module-level names through
+  which a unit's parameter group calls its own all-gather and reduce-scatter (:func:`before_own_collectives`) let
+  the ranks meet, labelled, before each.
 - ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
@@ -23,6 +25,8 @@ when a torch release moves it.
 from __future__ import annotations
 
 import gc
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +45,37 @@ try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
 except ImportError:  # older torch: `fully_shard` keeps its own collectives
     AllGather = ReduceScatter = object  # type: ignore[assignment, misc]
     CUSTOM_COLLECTIVES = False
+
+
+# FSDPParam -> (called before its unit's all-gather, before its unit's reduce-scatter), where torch keeps its own
+_BEFORE_OWN: weakref.WeakKeyDictionary[Any, tuple[Callable[[], None], Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def before_own_collectives(unit: FSDPModule, gather: Callable[[], None], reduce: Callable[[], None]) -> None:
+    """On a torch whose ``fully_shard`` keeps its own collectives: call ``gather`` just before each all-gather of
+    ``unit``'s parameters and ``reduce`` just before each reduce-scatter of its gradients, on the thread that starts
+    them (the calls its parameter group makes through ``foreach_all_gather`` and ``foreach_reduce``)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    if not hasattr(param_group.foreach_all_gather, "_lightning_zero"):
+        param_group.foreach_all_gather = _calling_first(param_group.foreach_all_gather, 0)
+        param_group.foreach_reduce = _calling_first(param_group.foreach_reduce, 1)
+    for shard in unit_shards(unit):
+        _BEFORE_OWN[shard] = (gather, reduce)
+
+
+def _calling_first(collective: Callable[..., Any], which: int) -> Callable[..., Any]:
+    """``collective`` (its first argument: the unit's ``FSDPParam`` list), after the ``which`` callback registered
+    for that unit, if one is."""
+
+    def call(shards: list[Any], *args: Any, **kwargs: Any) -> Any:
+        before = _BEFORE_OWN.get(shards[0]) if shards else None
+        if before is not None:
+            before[which]()
+        return collective(shards, *args, **kwargs)
+
+    call._lightning_zero = True  # type: ignore[attr-defined]
+    return call
 
 
 def has_run_forward(root: FSDPModule) -> bool:
@@ -95,6 +130,8 @@ def move_shard(shard: Any, padded: torch.Tensor) -> None:
 def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
     """``local`` (of the shard's unpadded shape) as the DTensor ``fully_shard`` gives a gradient shard."""
     return shard.to_sharded_dtensor(local)
+
+
 def reset_after_failure(root: FSDPModule) -> None:
     """After an exception aborted a step of ``root`` (a ``fully_shard`` root that ran a forward): reshard every unit,
     the root included. torch 2.13's ``reset_iter_state`` does, and drops the step's unfinished gathers and gradient
@@ -135,6 +172,7 @@ __all__ = [
     "CUSTOM_COLLECTIVES",
     "AllGather",
     "ReduceScatter",
+    "before_own_collectives",
     "default_store",
     "gather_for_recompute",
     "has_run_forward",
