@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_zero import Zero1Strategy, Zero2Strategy
+from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
 from lightning_zero.memory import engine_of
 from tests.oracle import MASTER_WEIGHTS, close
 from tests.workers.modules import Classifier
+from tests.workers.offload_memory import bytes_in_files, local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,13 +46,19 @@ class Where(pl.Callback):
         }
 
 
-def train(strategy: Any, steps: int = 6, ckpt_path: Path | None = None, **trainer_kwargs: Any) -> pl.Trainer:
+def train(
+    strategy: Any,
+    steps: int = 6,
+    ckpt_path: Path | None = None,
+    extra: list[pl.Callback] | None = None,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
     if dist.is_initialized():  # each run starts its own process group, with the backends its strategy asks for
         dist.destroy_process_group()
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="gpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Where()], **trainer_kwargs,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Where(), *(extra or [])], **trainer_kwargs,
     )
     trainer.fit(Classifier(), ckpt_path=ckpt_path)
     return trainer
@@ -89,6 +96,32 @@ def test_offload_matches_plain_training(strategy: str, tmp_path: Path) -> None:
         assert found.weights == {("cpu", True)}
     else:  # stages 1 and 2: the module's weights on the GPU, its masters pinned on the host
         assert found.weights == {("cuda", False)} and found.masters == {("cpu", True)}
+
+
+class InFiles(pl.Callback):
+    """Whether every parameter shard lies in a mapping of a file under ``directory`` as the first step's gradients
+    are all there (before teardown)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = str(directory)
+        self.shard_bytes = self.file_bytes = -1
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, *_: Any) -> None:
+        if self.shard_bytes < 0:
+            shards = [local(p.detach()) for p in module.parameters() if p.dim() > 0]
+            self.shard_bytes = sum(t.numel() * t.element_size() for t in shards)
+            self.file_bytes = bytes_in_files(shards, self.directory)
+
+
+def test_parameters_on_disk_match_plain_training(tmp_path: Path) -> None:
+    """ZeRO-Infinity on the GPU: the shards, their gradients and the optimizer state in files under ``offload_dir``,
+    copied to the GPU for each unit's gather and back for the step (fully_shard's unpinned host copies)."""
+    reference = train("ddp")
+    in_files = InFiles(tmp_path)
+    offloaded = train(Zero3Strategy(offload_parameters="disk", offload_dir=tmp_path), extra=[in_files])
+    assert_same(offloaded, reference, "zero3_infinity")
+    assert where(offloaded).weights == {("cpu", False)} and where(offloaded).state == {"cpu"}
+    assert in_files.shard_bytes > 0 and in_files.file_bytes == in_files.shard_bytes
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
