@@ -183,10 +183,12 @@ def test_one_device_offloads(tmp_path: Path) -> None:
     assert results[0][("adam", "zero2_offload")]["model_state"].master_weights > 0
 
 
-def resident(strategy: StrategySpec, tmp_path: Path, offload_dir: Path) -> list[dict[str, Any]]:
+def resident(
+    strategy: StrategySpec, tmp_path: Path, offload_dir: Path, resume: bool = False
+) -> list[dict[str, Any]]:
     out = tmp_path / strategy.name / str(len(list(tmp_path.iterdir())))
     out.mkdir(parents=True)
-    write_payload(out, strategy=strategy, world_size=2, hidden=2048, offload_dir=offload_dir)
+    write_payload(out, strategy=strategy, world_size=2, hidden=2048, offload_dir=offload_dir, resume=resume)
     launch("tests.workers.offload_memory", [str(out)], 2)
     return read_results(out, 2)
 
@@ -232,6 +234,30 @@ def test_infinity_keeps_shards_and_gradients_in_files(tmp_path: Path, monkeypatc
         assert memory["param_file_bytes"] == memory["grad_file_bytes"] == 0, rank
         assert disk["step_file_rss"] == 0, f"rank {rank}: {disk['step_file_rss']} bytes of shard files resident"
         assert disk["step_rss"] < memory["step_rss"] - shards // 2, (rank, disk["step_rss"], memory["step_rss"])
+        torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [DISK2, INFINITY], ids=lambda spec: spec.label)
+def test_resume_loads_state_straight_into_files(
+    strategy: StrategySpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume from a checkpoint directory loads the optimizer state into its files, not into memory first: as the
+    resumed run starts, every state tensor (not the step counters) lies in a file under ``offload_dir``, none of
+    their pages is resident, and the rank holds less memory than the same resume with the state in host memory, by
+    at least half of the state's bytes (glibc returns freed blocks to the system, as above)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    offload_dir = tmp_path / "files"
+    offload_dir.mkdir()
+    host = StrategySpec(strategy.name, {**strategy.options, "offload_optimizer": True})
+    in_memory = resident(on_disk(host, offload_dir), tmp_path, offload_dir, resume=True)
+    in_files = resident(on_disk(strategy, offload_dir), tmp_path, offload_dir, resume=True)
+    for rank, (memory, disk) in enumerate(zip(in_memory, in_files, strict=True)):
+        state = disk["loaded_state_bytes"]
+        assert state == memory["loaded_state_bytes"] > 30 * 2**20, rank  # Adam's moments of 4.2 M elements
+        assert disk["loaded_state_file_bytes"] == state and memory["loaded_state_file_bytes"] == 0, rank
+        assert disk["loaded_file_rss"] == 0, f"rank {rank}: {disk['loaded_file_rss']} bytes of state files resident"
+        assert disk["loaded_rss"] < memory["loaded_rss"] - state // 2, (rank, disk["loaded_rss"], memory["loaded_rss"])
         torch.testing.assert_close(disk["weight"], memory["weight"], rtol=1e-5, atol=1e-6)
 
 

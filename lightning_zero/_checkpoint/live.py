@@ -39,15 +39,19 @@ from lightning_zero._checkpoint.whole import rows_of
 class OptimizerEntries:
     """One optimizer as a mode hands it to a checkpoint: ``optimizer`` (its ``param_groups`` hold the module's
     parameters; its ``state_dict`` and ``load_state_dict`` number them in group order) and ``tensors``, what it
-    updates in that order, each full-shaped: a DTensor over this rank's rows where it is sharded."""
+    updates in that order, each full-shaped: a DTensor over this rank's rows where it is sharded; ``state_like``
+    gives a loaded state entry laid out like one of them its memory (where the placement keeps optimizer state)."""
 
     optimizer: Optimizer
     tensors: list[torch.Tensor]
+    state_like: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
     @classmethod
-    def of(cls, optimizer: Optimizer) -> OptimizerEntries:
+    def of(
+        cls, optimizer: Optimizer, state_like: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+    ) -> OptimizerEntries:
         """An optimizer that updates the module's parameters themselves."""
-        return cls(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
+        return cls(optimizer, [p for group in optimizer.param_groups for p in group["params"]], state_like)
 
 
 def _module_param_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
@@ -137,7 +141,7 @@ def _optimizer_target(
         if not isinstance(entry, TensorStorageMetadata):
             target[key] = None
         elif name in sharded.get(fqn, ()):
-            target[key] = torch.empty_like(by_name[fqn], dtype=entry.properties.dtype)
+            target[key] = entries.state_like(by_name[fqn], entry.properties.dtype)
         else:
             target[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return target

@@ -75,6 +75,11 @@ class Checkpointed:
         at ``path``, every rank its own shards."""
         save_directory(checkpoint, self.named_like, path)
 
+    def after_save(self) -> None:
+        """After a checkpoint (a directory or a file) was written."""
+        for trained in self.modules.values():
+            trained.mode.after_save()
+
     def load_directory(
         self,
         path: Path,

@@ -77,10 +77,11 @@ class EngineMode(Mode):
         """A sharded optimizer's state is laid out like the shards it updates."""
         optimizer = as_set_up(optimizer)
         if isinstance(optimizer, ZeroOptimizer):
-            return OptimizerEntries(optimizer, optimizer.updated_tensors())
+            return OptimizerEntries(optimizer, optimizer.updated_tensors(), self.placement.state_like)
         return super().optimizer_entries(optimizer)
 
     def after_load(self) -> None:
+        super().after_load()
         if self.engine is not None:
             with torch.no_grad():
                 self.engine.module_from_masters()  # the module's rows from the masters, and the other ranks' rows

@@ -192,10 +192,15 @@ class Mode:
 
     def optimizer_entries(self, optimizer: Optimizer) -> OptimizerEntries:
         """The optimizer as set up, and the tensors its state is laid out like."""
-        return OptimizerEntries.of(as_set_up(optimizer))
+        return OptimizerEntries.of(as_set_up(optimizer), self.placement.state_like)
 
     def after_load(self) -> None:
         """After a checkpoint directory filled the entries: make what depends on them current."""
+        self.placement.after_load()
+
+    def after_save(self) -> None:
+        """After a checkpoint was written: what reading the states for it brought into memory can leave."""
+        self.placement.after_save()
 
     def updates(self, module: nn.Module, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` was built on ``module``'s parameters (this mode placed ``module``)."""

@@ -18,7 +18,8 @@ class DiskState:
     """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process. Scalars (step counters) stay in memory. The files
+    files; then every mapping's pages are dropped from the process. A checkpoint directory loads into new files
+    (:meth:`empty_like`) without passing through memory. Scalars (step counters) stay in memory. The files
     stay mapped while this object lives (state a checkpoint replaced included); their space returns to the disk once
     it and the state's tensors are dropped at teardown, or when the process ends, however it ends.
     """
@@ -44,19 +45,36 @@ class DiskState:
         for mapping in self._maps:
             mapping.madvise(mmap.MADV_DONTNEED)
 
+    def empty_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A state tensor laid out like ``like`` (a DTensor: its local tensor) in ``dtype``, in a new file."""
+        local = like.to_local() if isinstance(like, DTensor) else like
+        if local.numel() == 0:
+            return torch.empty_like(like, dtype=dtype)  # an empty shard needs no file
+        return _like(like, self._new(local.shape, dtype))
+
     def _to_file(self, value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        nbytes = local.numel() * local.element_size()
-        mapping = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
-        mapped = torch.frombuffer(mapping, dtype=local.dtype, count=local.numel()).view(local.shape)
+        mapped = self._new(local.shape, local.dtype)
         mapped.copy_(local)
+        return _like(value, mapped)
+
+    def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = shape.numel()
+        nbytes = numel * dtype.itemsize
+        mapping = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
+        mapped = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
         self._maps.append(mapping)
         self._mapped.add(mapped.data_ptr())
         self._bytes += nbytes
-        if not isinstance(value, DTensor):
-            return mapped
-        return DTensor.from_local(
-            mapped, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
+        return mapped
+
+
+def _like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the local tensor of a DTensor laid out as ``value``, or itself if ``value`` is a plain tensor."""
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(
+        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    )
 
 
 def reserve(directory: Path, nbytes: int, what: str, held: str) -> mmap.mmap:

@@ -191,6 +191,11 @@ class ParameterFiles:
             param.grad = shard_grad(region.shard, region.grad)
         files.advise(mmap.MADV_DONTNEED, region)
 
+    def release(self) -> None:
+        """Drop every unit's pages from the process (after a checkpoint read them all); the data stays in the files."""
+        for files in self.units:
+            files.advise(mmap.MADV_DONTNEED)
+
     # --- the optimizer step -----------------------------------------------------------------------------------------
 
     def chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

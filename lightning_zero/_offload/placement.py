@@ -103,10 +103,23 @@ class Placement:
         with kernels.applied(optimizer):
             yield
 
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+
     @property
     def state_on_device(self) -> bool:
         """Whether optimizer state loaded from a checkpoint belongs on the device (else it stays where it was put)."""
         return True
+
+    def state_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Memory for an optimizer state entry a checkpoint directory loads, laid out like ``like`` (a tensor the
+        optimizer updates) in ``dtype``: where this placement keeps optimizer state."""
+        return torch.empty_like(like, dtype=dtype)
+
+    def after_load(self) -> None:
+        """After a checkpoint directory filled the state entries."""
+
+    def after_save(self) -> None:
+        """After a checkpoint was written (it read every shard and state tensor)."""
 
     def teardown(self) -> None:
         """After training: release what only training needs."""
@@ -173,6 +186,10 @@ class OnHost(Placement):
     def _after_step(self, optimizer: Optimizer) -> None:
         """After the optimizer stepped on some or all of its parameters."""
 
+    def after_save(self) -> None:
+        if self.parameter_files is not None:
+            self.parameter_files.release()
+
     @property
     def state_on_device(self) -> bool:
         return False
@@ -191,9 +208,25 @@ class OnDisk(OnHost):
 
     def _after_step(self, optimizer: Optimizer) -> None:
         """State the step created or a checkpoint replaced moves into its files."""
+        self._files().adopt(optimizer)
+
+    def state_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """In a new file: a resume loads the state straight into its files, never all of it into memory."""
+        return self._files().empty_like(like, dtype)
+
+    def after_load(self) -> None:
+        if self._disk is not None:
+            self._disk.release()  # the loaded pages leave the process; the data stays in the files
+
+    def after_save(self) -> None:
+        super().after_save()
+        if self._disk is not None:
+            self._disk.release()
+
+    def _files(self) -> DiskState:
         if self._disk is None:
             self._disk = DiskState(self.directory)
-        self._disk.adopt(optimizer)
+        return self._disk
 
     def teardown(self) -> None:
         self._disk = None  # its files go with the last tensor mapping them

@@ -251,6 +251,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 whole = gathered_checkpoint(checkpoint, checkpointed.named_like, self.is_global_zero)
                 if self.is_global_zero:
                     write_file(target, as_saved(whole))
+        checkpointed.after_save()
 
     @override
     def load_checkpoint(

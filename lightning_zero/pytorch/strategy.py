@@ -414,6 +414,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                     saves_optimizers = "optimizer_states" in checkpoint
                     named = [self._checkpointed().optimizer_state(o) for o in self.optimizers if saves_optimizers]
                     write_file(path, with_records(checkpoint, named, parameter_shapes(self.lightning_module)))
+        self._checkpointed().after_save()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -1,9 +1,13 @@
 """Runs inside each of N processes: trains a wide classifier under one strategy and records, after training, this
 process's resident memory and the bytes of optimizer state it keeps, and, once the gradients of a step are all there,
-its resident memory and where the parameter and gradient shards live, for tests/test_offload.py."""
+its resident memory and where the parameter and gradient shards live, for tests/test_offload.py. With ``resume`` in
+the payload, the run saves a checkpoint directory and a second run resumes from it for a step; that run records, as
+training starts (the checkpoint loaded, no step taken), where the optimizer state lives and this process's resident
+memory."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,21 +97,63 @@ class Record(pl.Callback):
         }
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    spec = read_payload(out_dir)
+class Loaded(pl.Callback):
+    """Where the optimizer state a resume loaded lives, before the resumed run's first step."""
+
+    def __init__(self, offload_dir: str) -> None:
+        self.offload_dir = offload_dir
+        self.result: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        state = [local(v) for s in trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
+        self.result = {
+            "loaded_rss": resident_bytes(),
+            "loaded_file_rss": resident_file_bytes(self.offload_dir),
+            "loaded_state_bytes": storage_bytes(state),
+            "loaded_state_file_bytes": bytes_in_files(state, self.offload_dir),
+        }
+
+
+class SaveAtEnd(pl.Callback):
+    """A checkpoint directory as training ends, as a checkpoint callback writes one during training."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def fit(
+    spec: dict[str, Any], steps: int, callbacks: list[pl.Callback], ckpt_path: Path | None = None
+) -> pl.Trainer:
     pl.seed_everything(0)
-    record = Record(str(spec["offload_dir"]))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=spec["world_size"],
         strategy=spec["strategy"].for_trainer(),
-        max_steps=2,
-        callbacks=[record],
+        max_steps=steps,
+        callbacks=callbacks,
         **QUIET,
     )
-    trainer.fit(Classifier(hidden=spec["hidden"]))
-    save_results(out_dir, trainer.global_rank, record.result)
+    trainer.fit(Classifier(hidden=spec["hidden"]), ckpt_path=ckpt_path)
+    return trainer
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    spec = read_payload(out_dir)
+    record = Record(str(spec["offload_dir"]))
+    checkpoint = out_dir / "checkpoint"
+    trainer = fit(spec, 2, [record, SaveAtEnd(checkpoint)] if spec.get("resume") else [record])
+    rank = trainer.global_rank
+    if spec.get("resume"):
+        del trainer
+        gc.collect()  # the first run's files go with its module and optimizer
+        loaded = Loaded(str(spec["offload_dir"]))
+        fit(spec, 3, [loaded], checkpoint)
+        record.result |= loaded.result
+    save_results(out_dir, rank, record.result)
 
 
 if __name__ == "__main__":
