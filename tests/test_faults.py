@@ -52,10 +52,26 @@ def start_runs(
     return start("tests.workers.faults", [str(tmp_path)], 2, env=env, logs=tmp_path)
 
 
-def gloo_reports(strategy: str) -> bool:
-    """Whether a failed peer reaches rank 0 under ``strategy`` as gloo's own error, which names no rank: under stage 3
-    on a torch whose ``fully_shard`` keeps its own collectives (torch 2.8, where ``CUSTOM_COLLECTIVES`` is false)."""
+def gloo_may_report(strategy: str) -> bool:
+    """Whether a failed peer may reach rank 0 under ``strategy`` as gloo's own error, which names no rank: under stage
+    3 on a torch whose ``fully_shard`` keeps its own collectives (torch 2.8, where ``CUSTOM_COLLECTIVES`` is false).
+    Without shared memory rank 0 then waits in one of them; with it, the ranks meet in the channel just before each,
+    and rank 0 waits in the channel or in gloo's collective, wherever the failure caught it."""
     return strategy == "zero3" and not CUSTOM_COLLECTIVES
+
+
+def gloo_reported(strategy: str, env: dict[str, str] | None, error: dict[str, Any]) -> bool:
+    """Whether rank 0's ``error`` is gloo's own (where it may be, see :func:`gloo_may_report`), not the package's."""
+    return gloo_may_report(strategy) and (env is not None or error["type"] != "PeerError")
+
+
+def out_of_memory(error: dict[str, Any]) -> str:
+    """The start of what rank 1's ``error``, out of memory, says (as its peers name it): Python's ``MemoryError``, or
+    torch's allocator's ``RuntimeError`` (Python 3.10 with torch 2.8 meets the limit there where 3.11 meets it in
+    Python)."""
+    if error["type"] != "MemoryError":
+        assert error["type"] == "RuntimeError" and "can't allocate memory" in error["message"], error["traceback"]
+    return f"{error['type']}: {error['message'][:40]}" if error["message"] else error["type"]
 
 
 def notes(tmp_path: Path, rank: int, error: dict[str, Any]) -> str:
@@ -147,7 +163,7 @@ def test_a_stalled_rank_is_reported_after_the_timeout(
     # rank 0 may already wait in the collective when the SIGSTOP lands (more so on a loaded machine): its timeout then
     # runs out a little before `stopped + TIMEOUT`, never a whole step's time before it
     assert TIMEOUT - STEP_SLACK <= reported < REPORTED_WITHIN
-    if gloo_reports(strategy):  # gloo's timeout, the strategy's
+    if gloo_reported(strategy, env, error):  # gloo's timeout, the strategy's
         assert f"Timed out waiting {TIMEOUT * 1000}ms" in error["message"], error["traceback"]
     else:
         assert error["type"] == "PeerError", error["traceback"]
@@ -173,7 +189,7 @@ def test_a_killed_peer_is_reported_under_zero3(env: dict | None, tmp_path: Path)
         kill_all(procs)
     (error,) = ended(tmp_path, 0)
     assert "During handling of the above exception" not in error["traceback"], error["traceback"]
-    if gloo_reports("zero3"):
+    if gloo_reported("zero3", env, error):
         assert re.search(r"Connection (reset|closed) by peer", error["message"]), error["traceback"]
     else:
         assert error["type"] == "PeerError", error["traceback"]
@@ -262,20 +278,18 @@ def test_a_rank_out_of_memory_ends_every_rank_within_seconds(strategy: str, faul
     if fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_SAVE:  # DCP hands rank 1's error to every rank
         for error in (failed, consequence):
             assert error["type"] == "CheckpointException", error["traceback"]
-            assert "MemoryError: A new thread did not begin within" in error["traceback"], error["traceback"]
+            # where the limit meets it: starting the checksum thread (Python 3.11+), or in that thread (3.10)
+            assert re.search(r"MemoryError: A new thread did not begin within|\nMemoryError\n", error["traceback"])
         assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
-    elif fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD:  # rank 0 waits in gloo, whose error names no rank: a note does
-        assert failed["type"] == "MemoryError", failed["traceback"]
-        assert "lightning_zero: rank 1 failed too, with MemoryError: A new thread did not begin within" in (
-            notes(tmp_path, 0, consequence)
-        )
     else:
-        assert failed["type"] == "MemoryError", failed["traceback"]
-        if gloo_reports(strategy):  # gloo's `Connection closed by peer` names no rank: a note does
-            assert "lightning_zero: rank 1 failed too, with MemoryError" in notes(tmp_path, 0, consequence)
+        said = out_of_memory(failed)
+        # rank 0 waits in gloo (the load's, or stage 3's own collectives on torch 2.8), whose error names no rank: a
+        # note does
+        if fault is Fault.RANK1_OUT_OF_MEMORY_BEFORE_LOAD or gloo_reported(strategy, None, consequence):
+            assert f"lightning_zero: rank 1 failed too, with {said}" in notes(tmp_path, 0, consequence)
         elif strategy != "ddp":  # DDP's error is gloo's `Connection closed by peer`, which names no rank
             assert consequence["type"] == "PeerError", consequence["traceback"]
-            assert f"rank 1 (PID {procs[1].pid}) failed while this rank waited for it, with MemoryError" in (
+            assert f"rank 1 (PID {procs[1].pid}) failed while this rank waited for it, with {said}" in (
                 consequence["message"]
             )
     assert not [entry for entry in Path("/dev/shm").iterdir() if any(f"-{p.pid}-" in entry.name for p in procs)]

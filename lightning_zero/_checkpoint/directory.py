@@ -197,16 +197,27 @@ class ShardCheck:
     def wait(self) -> None:
         """Return on every rank once every shard file is as written, or raise on every rank the first damage any
         rank found (collective). The check's thread has ended either way."""
-        verdict = None if self._pending is None else self._pending.result()
-        self.ranks.agree(verdict)
+        self.ranks.agree(self._verdict())
+
+    def _verdict(self) -> CheckpointError | None:
+        """The damage this rank's share of the files shows, once the check's thread has ended."""
+        return None if self._pending is None else self._pending.result()
 
     @contextmanager
     def overlapping(self) -> Iterator[None]:
-        """Run the block while the check goes on; if the block fails, a damaged file is the better explanation."""
+        """Run the block while the check goes on; if the block fails, a damaged file is the better explanation. DCP
+        fails on every rank at once (its ``CheckpointException``), and the ranks then agree on the verdict; any other
+        error is this rank's alone (out of memory, say), while its peers are in the load's collectives: it takes only
+        this rank's verdict, and never waits for theirs."""
         try:
             yield
-        except (Exception, CheckpointException):  # DCP's is a BaseException; an interrupt waits for nothing
+        except CheckpointException:  # a BaseException; an interrupt waits for nothing
             self.wait()
+            raise
+        except Exception as error:
+            damage = self._verdict()
+            if damage is not None:
+                raise damage from error
             raise
         self.wait()
 
