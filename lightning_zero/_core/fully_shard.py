@@ -77,8 +77,8 @@ class FullyShardMode(Mode):
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
         if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
             warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
-        materialize(module, plan, lazy, self.device, mesh, shards_on_host=self.sharded.shards_on_host)
-        self.placement.after_sharding(module, units)
+        with self.placement.materializing(module, units, self.device) as filled:
+            materialize(module, plan, lazy, self.device, mesh, self.sharded.shards_on_host, filled)
 
     def _wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer], precision: object) -> list[Optimizer]:
         """The optimizers step on the shards as they are (built on them after sharding, or moved to them here)."""

@@ -1,15 +1,15 @@
 """Stage 3's parameter shards and their gradients in memory-mapped files (``offload_parameters="disk"``,
 ZeRO-Infinity).
 
-From the root's first forward on, each unit's shards on this rank live in one nameless file under the offload
-directory, mapped shared, one page-aligned region per parameter; its gradient shards in a second file, made at its
-first backward. The process holds a file's pages only while it works on them, and the kernel reads them ahead and
-writes them back:
+From set-up on, each unit's shards on this rank live in one nameless file under the offload directory, mapped
+shared, one page-aligned region per parameter; its gradient shards in a second file, made at its first backward. A
+model built without memory (meta parameters) gets its values unit by unit, each unit moving to its file as soon as
+its parameters have theirs, so that the whole shard is never in memory at once. The process holds a file's pages
+only while it works on them, and the kernel reads them ahead and writes them back:
 
 - before a unit's forward, the next ``prefetch`` units in the root's module order (taken as the order of the
-  forward) are read ahead (``MADV_WILLNEED``: the kernel
-  reads them while this unit computes); after its forward, its pages leave the process (``MADV_DONTNEED``; a shared
-  mapping keeps their data in the file);
+  forward) are read ahead (``MADV_WILLNEED``: the kernel reads them while this unit computes); after its forward,
+  its pages leave the process (``MADV_DONTNEED``; a shared mapping keeps their data in the file);
 - as a unit's gradient shards arrive in backward (``fully_shard`` calls the parameter's post-accumulate-grad hooks),
   each is copied into its file, becomes the parameter's ``.grad``, and both leave the process; the units next in
   backward order are read ahead;
@@ -34,7 +34,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_zero._offload.disk import reserve
-from lightning_zero._transport.torch_private import move_shard, padded_shard, shard_grad, unit_shards
+from lightning_zero._transport.torch_private import (
+    move_shard,
+    padded_shard,
+    registered,
+    settle_shards,
+    shard_grad,
+    shard_owner,
+    unit_shards,
+)
 
 PAGE = mmap.PAGESIZE
 
@@ -61,6 +69,7 @@ class UnitFiles:
     regions: list[Region]
     nbytes: int
     index: int = -1  # its place in :attr:`ParameterFiles.units`
+    order: int = -1  # its unit's place in the root's module order
     shards: mmap.mmap | None = None
     grads: mmap.mmap | None = None
 
@@ -77,6 +86,20 @@ class UnitFiles:
                 mapping.madvise(advice, start, length)
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """A unit whose shards go to files once its parameters built without values (``unfilled``, by name) have them."""
+
+    unit: FSDPModule
+    name: str
+    order: int
+    unfilled: set[str]
+
+
+def _qualified(paths: dict[nn.Module, str], module: nn.Module, name: str) -> str:
+    return f"{paths[module]}.{name}" if paths[module] else name
+
+
 class ParameterFiles:
     """The shards of a ``fully_shard``-ed module's units in files under ``directory`` (see the module)."""
 
@@ -88,26 +111,16 @@ class ParameterFiles:
         self._of_param: dict[int, UnitFiles] = {}  # id(parameter) -> its unit
         self._in_backward: set[int] = set()  # id() of each unit whose gradients arrived in the backward under way
         self._bytes = 0
+        self._waiting: list[_Waiting] = []  # units to move into files, from :meth:`expect` to :meth:`adopt`
+        self._waiting_for: dict[str, _Waiting] = {}  # the name of a parameter still without values -> its unit
 
     # --- setting up -------------------------------------------------------------------------------------------------
 
-    def adopt(self, root: nn.Module, units: list[nn.Module]) -> None:
-        """At the start of ``root``'s first forward, move the shards of ``units`` and of ``root`` into files and hook
-        their forwards and gradients (see :meth:`_move`)."""
-        handle = None
-
-        def first_forward(*_: Any) -> None:
-            assert handle is not None
-            handle.remove()
-            self._move(root, units)
-
-        # after `fully_shard`'s own pre-forward hook, whose lazy set-up re-pads each shard (torch 2.8 copies an
-        # unevenly sharded one into new memory there, which would take it out of its file)
-        handle = root.register_forward_pre_hook(first_forward)
-
-    def _move(self, root: nn.Module, units: list[nn.Module]) -> None:
-        """Move the shards of ``units`` and ``root`` into files; ``max_in_cpu`` elements of the first units in
-        ``root``'s module order stay in memory."""
+    def expect(self, root: nn.Module, units: list[nn.Module]) -> None:
+        """Once ``root`` and its ``units`` are sharded, before their shards get their values: choose the units whose
+        shards go to files (all but the first in ``root``'s module order whose shards fit in ``max_in_cpu``
+        elements), each to move as soon as its parameters built without values (meta) have theirs (:meth:`filled`),
+        the rest when all have (:meth:`adopt`)."""
         order = {module: index for index, module in enumerate(root.modules())}
         paths = {module: path for path, module in root.named_modules()}
         kept = 0
@@ -118,14 +131,51 @@ class ParameterFiles:
             if kept + elements <= self.max_in_cpu:
                 kept += elements
                 continue
-            files = self._to_files(paths[unit] or "<root>", shards)
-            if files is None:
-                continue
-            files.index = len(self.units)
-            self.units.append(files)
-            unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
-            unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
+            names = {_qualified(paths, *shard_owner(s)) for s in shards if padded_shard(s).is_meta}
+            waiting = _Waiting(unit, paths[unit] or "<root>", order[unit], names)
+            self._waiting.append(waiting)
+            self._waiting_for.update(dict.fromkeys(names, waiting))
         root.register_forward_pre_hook(lambda *_: self._in_backward.clear())  # a new step
+
+    def filled(self, name: str) -> None:
+        """The parameter at ``name`` in the root has its values now."""
+        waiting = self._waiting_for.pop(name, None)
+        if waiting is None:
+            return
+        waiting.unfilled.discard(name)
+        if not waiting.unfilled:
+            self._move(waiting)
+
+    def adopt(self) -> None:
+        """Every shard has its values: the units still waiting move to their files, and all take their places in
+        the root's module order (taken for the forward order)."""
+        for waiting in list(self._waiting):
+            self._move(waiting)
+        self._waiting_for.clear()
+        self.units.sort(key=lambda files: files.order)
+        for index, files in enumerate(self.units):
+            files.index = index
+            for region in files.regions:
+                if not registered(region.shard):  # its file would hold a parameter the module no longer uses
+                    module, name = shard_owner(region.shard)
+                    raise RuntimeError(
+                        f"Parameter `{name}` of {type(module).__name__} was replaced after unit `{files.name}` moved"
+                        " into its file under `offload_dir`."
+                    )
+
+    def _move(self, waiting: _Waiting) -> None:
+        """Move a unit's shards into its file (``fully_shard``'s lazy set-up done on them first, so that it leaves
+        them there) and hook its forwards and gradients."""
+        self._waiting.remove(waiting)
+        unit = waiting.unit
+        settle_shards(unit)
+        files = self._to_files(waiting.name, unit_shards(unit))
+        if files is None:
+            return
+        files.order = waiting.order
+        self.units.append(files)
+        unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
+        unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
 
     def _to_files(self, name: str, shards: list[Any]) -> UnitFiles | None:
         regions, offset = [], 0

@@ -10,7 +10,7 @@ A placement owns every decision that depends on where the optimizer steps (see t
 - the **process group** a run needs (:meth:`Placement.process_group_backend`, :meth:`Placement.check_process_group`):
   host tensors need a CPU backend beside NCCL;
 - stage 3's ``fully_shard`` **offload policy** (:meth:`Placement.fsdp_offload_policy`), and where its shards live
-  once sharded (:meth:`Placement.after_sharding`: in files, with ``offload_parameters="disk"``).
+  once sharded (:meth:`Placement.materializing`: in files, with ``offload_parameters="disk"``).
 
 :class:`OnDevice` keeps everything with the parameters; :class:`OnHost` moves masters, gradient copies, optimizer
 state and the step to host memory; :class:`OnDisk` does the same with the optimizer state in memory-mapped files.
@@ -21,7 +21,7 @@ A new tier (another kind of memory, a different host kernel) is a new subclass, 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -84,8 +84,14 @@ class Placement:
         """``fully_shard``'s offload policy; ``None``: the shards stay on the device."""
         return None
 
-    def after_sharding(self, root: nn.Module, units: list[nn.Module]) -> None:
-        """Stage 3, once ``root`` and its ``units`` are sharded and their shards hold their values."""
+    @contextmanager
+    def materializing(
+        self, root: nn.Module, units: list[nn.Module], device: torch.device
+    ) -> Generator[Callable[[str], None] | None, None, None]:
+        """Stage 3, around giving the shards of the sharded ``root`` and ``units`` their values on ``device``: yields
+        what to tell, by name, of each parameter as it gets its values (``None``: nothing); the shards are where they
+        stay once it ends."""
+        yield None
 
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         """Stage 3: decide once, with the shards where they stay, the kernels :meth:`stepping` applies to
@@ -166,9 +172,19 @@ class OnHost(Placement):
         pin = self.pin_memory and device.type == "cuda" and self.parameter_files is None  # files are not pinned
         return CPUOffloadPolicy(pin_memory=pin)
 
-    def after_sharding(self, root: nn.Module, units: list[nn.Module]) -> None:
-        if self.parameter_files is not None:
-            self.parameter_files.adopt(root, units)
+    @contextmanager
+    def materializing(
+        self, root: nn.Module, units: list[nn.Module], device: torch.device
+    ) -> Generator[Callable[[str], None] | None, None, None]:
+        """Shards in files move there unit by unit as they get their values on the host (on a GPU, once all have
+        theirs and are back on the host)."""
+        files = self.parameter_files
+        if files is None:
+            yield None
+            return
+        files.expect(root, units)
+        yield files.filled if device.type == "cpu" else None
+        files.adopt()
 
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
@@ -185,6 +201,10 @@ class OnHost(Placement):
 
     def _after_step(self, optimizer: Optimizer) -> None:
         """After the optimizer stepped on some or all of its parameters."""
+
+    def after_load(self) -> None:
+        if self.parameter_files is not None:
+            self.parameter_files.release()  # the loaded shards' pages leave the process; the data stays in the files
 
     def after_save(self) -> None:
         if self.parameter_files is not None:
@@ -215,8 +235,9 @@ class OnDisk(OnHost):
         return self._files().empty_like(like, dtype)
 
     def after_load(self) -> None:
+        super().after_load()
         if self._disk is not None:
-            self._disk.release()  # the loaded pages leave the process; the data stays in the files
+            self._disk.release()
 
     def after_save(self) -> None:
         super().after_save()

@@ -22,7 +22,7 @@ replayed on that module's temporary full tensors, from rank 0's generator state.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,10 +226,12 @@ def materialize(
     device: torch.device,
     mesh: DataParallelMesh,
     shards_on_host: bool = False,
+    filled: Callable[[str], None] | None = None,
 ) -> None:
     """Give every meta parameter of the sharded ``root`` storage on ``device`` and its values (see module docs);
     ``names``: :meth:`Plan.by_name` before sharding. With ``shards_on_host`` (offload), the shards then move to host
-    memory, where ``fully_shard`` expects them."""
+    memory, where ``fully_shard`` expects them. ``filled`` is told the name of each parameter as it gets its values
+    from its record (its storage stays the parameter's, wherever ``filled`` moves it)."""
     if not any(p.is_meta for p in root.parameters()):
         return
     with torch.no_grad():
@@ -245,13 +247,15 @@ def materialize(
         for name, lazy in names:
             if lazy._record.initialised:  # never written: garbage under eager too, and the shard's is as good
                 _fill(root.get_parameter(name), lazy, device, mesh, source, arena)
+                if filled is not None:
+                    filled(name)
         arena.release()
         if plan.resets:  # from rank 0's generator, which set-up leaves as it found it, as eager construction does
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 _share_rank0_generator(device, mesh.world)
                 for reset in plan.resets:
                     _replay(reset, device, mesh.shard_group)
-        if shards_on_host:
+        if shards_on_host and device.type != "cpu":
             root._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
 
 

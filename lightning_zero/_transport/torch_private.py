@@ -11,9 +11,10 @@ when a torch release moves it.
 - a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
 - a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
   activation checkpointing recomputes in backward where torch does not (torch 2.8).
-- a ``fully_shard`` unit's parameters as it keeps them (:func:`unit_shards`, :func:`move_shard`, :func:`shard_grad`):
-  the padded copy of each shard that it gathers from, which parameters offloaded to disk replace with memory-mapped
-  files, and the DTensor form of a gradient shard.
+- a ``fully_shard`` unit's parameters as it keeps them (:func:`unit_shards`, :func:`move_shard`, :func:`shard_grad`,
+  :func:`settle_shards`): the padded copy of each shard that it gathers from, which parameters offloaded to disk
+  replace with memory-mapped files (once its lazy set-up's re-padding is done), and the DTensor form of a gradient
+  shard.
 - a ``fully_shard`` root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch; a torch without it gets every unit resharded by hand.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
@@ -93,12 +94,10 @@ def gather_for_recompute(module: nn.Module) -> None:
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        state = unit._get_fsdp_state()
-        if state._training_state is not TrainingState.PRE_BACKWARD:
+        if unit._get_fsdp_state()._training_state is not TrainingState.PRE_BACKWARD:
             continue
-        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-        for group in groups:  # several in recent torch, one (or None) in torch 2.8
-            if group is not None and not group.is_unsharded:
+        for group in _param_groups(unit):
+            if not group.is_unsharded:
                 group.unshard()
                 group.wait_for_unshard()
 
@@ -106,9 +105,40 @@ def gather_for_recompute(module: nn.Module) -> None:
 def unit_shards(unit: FSDPModule) -> list[Any]:
     """The ``FSDPParam`` of each parameter ``unit`` gathers (not those of units inside it), as its lazy set-up (at
     the root's first forward) left them."""
+    return [shard for group in _param_groups(unit) for shard in group.fsdp_params]
+
+
+def _param_groups(unit: FSDPModule) -> list[Any]:
+    """``unit``'s parameter groups: several in recent torch, one (or none) in torch 2.8."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-    return [shard for group in groups if group is not None for shard in group.fsdp_params]
+    return [group for group in groups if group is not None]
+
+
+def registered(shard: Any) -> bool:
+    """Whether ``shard``'s parameter is still the one its module registers (nothing replaced it since
+    :func:`settle_shards`)."""
+    module, name = shard_owner(shard)
+    return getattr(module, name) is shard.sharded_param
+
+
+def settle_shards(unit: FSDPModule) -> None:
+    """Do now, to ``unit``'s shards (their values given), what ``fully_shard``'s lazy set-up at the root's first
+    forward would: take up a parameter replaced since sharding and re-pad each shard into the flat copy it gathers
+    from. The set-up then leaves them alone (it does this once per parameter group), so that storage given to them
+    afterwards (:func:`move_shard`) stays theirs; torch 2.8 would otherwise copy an unevenly sharded one into new
+    memory there."""
+    for group in _param_groups(unit):
+        if not group._reset_sharded_params:
+            for shard in group.fsdp_params:
+                shard.reset_sharded_param()
+                shard._init_extensions()
+            group._reset_sharded_params = True
+
+
+def shard_owner(shard: Any) -> tuple[nn.Module, str]:
+    """The module that registers ``shard``'s parameter (the first, for one shared by several), and its name there."""
+    return shard._module_info.module, shard._module_info.param_name
 
 
 def padded_shard(shard: Any) -> torch.Tensor:
@@ -178,9 +208,12 @@ __all__ = [
     "has_run_forward",
     "move_shard",
     "padded_shard",
+    "registered",
     "release_mesh_groups",
     "reset_after_failure",
+    "settle_shards",
     "shard_grad",
+    "shard_owner",
     "sync_module_states",
     "unit_shards",
 ]
