@@ -183,9 +183,7 @@ def test_one_device_offloads(tmp_path: Path) -> None:
     assert results[0][("adam", "zero2_offload")]["model_state"].master_weights > 0
 
 
-def resident(
-    strategy: StrategySpec, tmp_path: Path, offload_dir: Path, resume: bool = False
-) -> list[dict[str, Any]]:
+def resident(strategy: StrategySpec, tmp_path: Path, offload_dir: Path, resume: bool = False) -> list[dict[str, Any]]:
     out = tmp_path / strategy.name / str(len(list(tmp_path.iterdir())))
     out.mkdir(parents=True)
     write_payload(out, strategy=strategy, world_size=2, hidden=2048, offload_dir=offload_dir, resume=resume)

@@ -124,9 +124,7 @@ class SaveAtEnd(pl.Callback):
         trainer.save_checkpoint(self.path)
 
 
-def fit(
-    spec: dict[str, Any], steps: int, callbacks: list[pl.Callback], ckpt_path: Path | None = None
-) -> pl.Trainer:
+def fit(spec: dict[str, Any], steps: int, callbacks: list[pl.Callback], ckpt_path: Path | None = None) -> pl.Trainer:
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
