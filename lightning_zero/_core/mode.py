@@ -196,11 +196,11 @@ class Mode:
 
     def after_load(self) -> None:
         """After a checkpoint directory filled the entries: make what depends on them current."""
-        self.placement.after_load()
+        self.placement.release()
 
     def after_save(self) -> None:
         """After a checkpoint was written: what reading the states for it brought into memory can leave."""
-        self.placement.after_save()
+        self.placement.release()
 
     def updates(self, module: nn.Module, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` was built on ``module``'s parameters (this mode placed ``module``)."""

@@ -40,11 +40,12 @@ def check_per_parameter(optimizer: Optimizer) -> None:
 
 @contextmanager
 def one_unit_at_a_time(
-    optimizer: Optimizer, files: ParameterFiles, after_chunk: Callable[[], None]
+    optimizer: Optimizer, files: ParameterFiles, after_chunk: Callable[[list[torch.Tensor]], None]
 ) -> Generator[None, None, None]:
     """While in the context, ``optimizer.step`` runs the closure on all parameters (a precision plugin's gradient
     clipping sees them all), then steps on one unit's parameters at a time (:meth:`ParameterFiles.chunks`), calling
-    ``after_chunk`` after each, so that the process holds one unit's shards, gradients and state at a time."""
+    ``after_chunk`` with each chunk after its step, so that the process holds one unit's shards, gradients and state
+    at a time."""
     check_per_parameter(optimizer)
     previous = optimizer.__dict__.get("step")  # an LR scheduler's wrapper, say
     step = optimizer.step
@@ -64,7 +65,7 @@ def one_unit_at_a_time(
                 for group, params in zip(optimizer.param_groups, narrowed, strict=True):
                     group["params"] = params
                 step()
-                after_chunk()
+                after_chunk(chunk)
         finally:
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = params

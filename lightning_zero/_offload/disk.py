@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -26,28 +27,32 @@ class DiskState:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._maps: list[mmap.mmap] = []
-        self._mapped: set[int] = set()  # data_ptr of every state tensor that lives in a file
+        self._maps: dict[int, mmap.mmap] = {}  # data_ptr of every state tensor that lives in a file -> its mapping
         self._bytes = 0
 
-    def adopt(self, optimizer: Optimizer) -> None:
-        for state in optimizer.state.values():
+    def adopt(self, optimizer: Optimizer, params: list[torch.Tensor] | None = None) -> None:
+        """Move the state of ``params`` (``None``: all the optimizer's) into files where it is not in one, and drop
+        its pages from the process."""
+        states = optimizer.state.values() if params is None else [optimizer.state[p] for p in params]
+        for state in states:
             for key, value in state.items():
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = _local(value)
                 if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
                     continue  # step counters stay in memory; an empty shard needs no file
-                if local.data_ptr() not in self._mapped:
+                mapping = self._maps.get(local.data_ptr())
+                if mapping is None:
                     state[key] = self._to_file(value, local)
-        self.release()
+                    mapping = self._maps[_local(state[key]).data_ptr()]
+                mapping.madvise(mmap.MADV_DONTNEED)
 
     def release(self) -> None:
         """Drop the mapped pages from this process; the data stays in the files (and the page cache)."""
-        for mapping in self._maps:
+        for mapping in self._maps.values():
             mapping.madvise(mmap.MADV_DONTNEED)
 
     def empty_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A state tensor laid out like ``like`` (a DTensor: its local tensor) in ``dtype``, in a new file."""
-        local = like.to_local() if isinstance(like, DTensor) else like
+        local = _local(like)
         if local.numel() == 0:
             return torch.empty_like(like, dtype=dtype)  # an empty shard needs no file
         return _like(like, self._new(local.shape, dtype))
@@ -62,10 +67,14 @@ class DiskState:
         nbytes = numel * dtype.itemsize
         mapping = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
         mapped = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
-        self._maps.append(mapping)
-        self._mapped.add(mapped.data_ptr())
+        self._maps[mapped.data_ptr()] = mapping
         self._bytes += nbytes
         return mapped
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local tensor; anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

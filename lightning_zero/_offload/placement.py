@@ -121,11 +121,9 @@ class Placement:
         optimizer updates) in ``dtype``: where this placement keeps optimizer state."""
         return torch.empty_like(like, dtype=dtype)
 
-    def after_load(self) -> None:
-        """After a checkpoint directory filled the state entries."""
-
-    def after_save(self) -> None:
-        """After a checkpoint was written (it read every shard and state tensor)."""
+    def release(self) -> None:
+        """After a checkpoint read or wrote every shard and state tensor: the pages of those in files leave the
+        process (the data stays in the files)."""
 
     def teardown(self) -> None:
         """After training: release what only training needs."""
@@ -194,19 +192,16 @@ class OnHost(Placement):
         with super().stepping(optimizer):
             if self.parameter_files is None:
                 yield
-            else:
-                with one_unit_at_a_time(optimizer, self.parameter_files, lambda: self._after_step(optimizer)):
+            else:  # each unit's chunk is followed by its own `_after_step`
+                with one_unit_at_a_time(optimizer, self.parameter_files, lambda c: self._after_step(optimizer, c)):
                     yield
-        self._after_step(optimizer)
+                return
+        self._after_step(optimizer, None)
 
-    def _after_step(self, optimizer: Optimizer) -> None:
-        """After the optimizer stepped on some or all of its parameters."""
+    def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
+        """After the optimizer stepped on ``params`` (``None``: all of its parameters)."""
 
-    def after_load(self) -> None:
-        if self.parameter_files is not None:
-            self.parameter_files.release()  # the loaded shards' pages leave the process; the data stays in the files
-
-    def after_save(self) -> None:
+    def release(self) -> None:
         if self.parameter_files is not None:
             self.parameter_files.release()
 
@@ -226,21 +221,16 @@ class OnDisk(OnHost):
         self.directory = directory
         self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
 
-    def _after_step(self, optimizer: Optimizer) -> None:
+    def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
         """State the step created or a checkpoint replaced moves into its files."""
-        self._files().adopt(optimizer)
+        self._files().adopt(optimizer, params)
 
     def state_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """In a new file: a resume loads the state straight into its files, never all of it into memory."""
         return self._files().empty_like(like, dtype)
 
-    def after_load(self) -> None:
-        super().after_load()
-        if self._disk is not None:
-            self._disk.release()
-
-    def after_save(self) -> None:
-        super().after_save()
+    def release(self) -> None:
+        super().release()
         if self._disk is not None:
             self._disk.release()
 
