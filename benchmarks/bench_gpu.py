@@ -18,6 +18,10 @@ interleaved over ``--rounds`` (the order rotates each round), and the table show
 
 MFU is model FLOPs (6 per parameter per token, plus attention's 12 x layers x width x sequence) per second over the
 device's dense bf16 peak (``--peak-tflops``, else from the device name for the H100 and H200).
+
+A run that outlasts ``--run-timeout`` seconds is stopped and reported as a stall, so one strategy that hangs leaves the
+others' figures. ``--profile DIR`` also records the timed steps of each run with ``torch.profiler`` and writes, per
+strategy and size, the operators that took the most device time and the most host time (``DIR/<size>-<strategy>.txt``).
 """
 
 from __future__ import annotations
@@ -84,6 +88,34 @@ class StepTimer(pl.Callback):
             self.seconds.append(time.perf_counter() - self._start)
 
 
+class StepProfiler(pl.Callback):
+    """``torch.profiler`` over the steps after ``warmup``; the top operators by device and by host time to ``path``."""
+
+    def __init__(self, warmup: int, path: Path) -> None:
+        self.warmup, self.path = warmup, path
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.running = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup and not self.running:
+            self.profiler.start()
+            self.running = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.running:
+            return
+        self.profiler.stop()
+        averages = self.profiler.key_averages()
+        device_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        self.path.write_text(
+            f"by device time ({device_key}):\n{averages.table(sort_by=device_key, row_limit=30)}\n"
+            f"by host time (self_cpu_time_total):\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
+        )
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One strategy, one size, in this process: median step seconds and peak device bytes."""
     shape = SIZES[args.size]
@@ -94,13 +126,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(0, shape.vocab_size, (steps * args.batch_size, shape.seq_len + 1))
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch_size)
     timer = StepTimer(args.warmup, synchronize)
+    callbacks: list[pl.Callback] = [timer]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        callbacks.append(StepProfiler(args.warmup, args.profile / f"{args.size}-{args.run}.txt"))
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
         strategy=make_strategy(args.run),
         precision=args.precision,
         max_steps=steps,
-        callbacks=[timer],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -144,7 +180,17 @@ def measure(args: argparse.Namespace, size: str, strategy: str, out: Path) -> di
         "--device", args.device, "--precision", args.precision, "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--warmup", str(args.warmup),
     ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if args.profile is not None:
+        argv += ["--profile", str(args.profile)]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.run_timeout
+        )
+    except subprocess.TimeoutExpired as stalled:
+        output = (stalled.stdout or b"")[-3000:], (stalled.stderr or b"")[-3000:]
+        text = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part for part in output)
+        print(f"{strategy} at {size} stalled: stopped after --run-timeout {args.run_timeout:g} s:\n{text}")
+        return None
     if done.returncode != 0:
         print(f"{strategy} at {size} failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
         return None
@@ -206,6 +252,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak for --precision, for MFU")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one run may take before it is stopped")
+    parser.add_argument("--profile", type=Path, help="write each run's top operators into this folder")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # in a measuring process: the strategy
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
