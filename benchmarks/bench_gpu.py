@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak for --precision, for MFU")
     parser.add_argument("--out", type=Path, help="also write the table here")
-    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one run may take before it is stopped")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--profile", type=Path, help="write each run's top operators into this folder")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # in a measuring process: the strategy
     parser.add_argument("--size", help=argparse.SUPPRESS)

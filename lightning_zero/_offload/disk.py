@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_zero._files import nameless_mapping
 from lightning_zero._offload.target import OffloadError
+from lightning_zero._transport.torch_private import dtensor_like
 
 
 class DiskState:
@@ -78,12 +79,9 @@ def _local(value: Any) -> Any:
 
 
 def _like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the local tensor of a DTensor laid out as ``value``, or itself if ``value`` is a plain tensor."""
-    if not isinstance(value, DTensor):
-        return local
-    return DTensor.from_local(
-        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-    )
+    """``local`` as the local tensor of a DTensor laid out as ``value``, or itself if ``value`` is a plain tensor; it
+    stays in its file whatever the mesh's device (stage 3 offloaded from a GPU keeps host shards on a CUDA mesh)."""
+    return dtensor_like(value, local) if isinstance(value, DTensor) else local
 
 
 def reserve(directory: Path, nbytes: int, what: str, held: str) -> mmap.mmap:

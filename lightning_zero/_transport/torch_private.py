@@ -15,6 +15,9 @@ when a torch release moves it.
   :func:`settle_shards`): the padded copy of each shard that it gathers from, which parameters offloaded to disk
   replace with memory-mapped files (once its lazy set-up's re-padding is done), and the DTensor form of a gradient
   shard.
+- a DTensor's layout given to a new local tensor on that tensor's own device (:func:`dtensor_like`): the public
+  ``DTensor.from_local`` moves the tensor to its mesh's device type, and ``fully_shard`` keeps host-offloaded shards
+  (and so their optimizer state) as host tensors on a CUDA mesh.
 - a ``fully_shard`` root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch; a torch without it gets every unit resharded by hand.
 - a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
@@ -37,6 +40,7 @@ from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_module_states as sync_module_states
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
@@ -160,6 +164,12 @@ def move_shard(shard: Any, padded: torch.Tensor) -> None:
 def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
     """``local`` (of the shard's unpadded shape) as the DTensor ``fully_shard`` gives a gradient shard."""
     return shard.to_sharded_dtensor(local)
+
+
+def dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (of ``like``'s local shape and dtype) as the local tensor of a DTensor laid out as ``like``, left on
+    its own device."""
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def reset_after_failure(root: FSDPModule) -> None:
