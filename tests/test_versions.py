@@ -1,5 +1,6 @@
 """The declared range of torch and Lightning is one range: the floors ``lightning_zero`` checks at import are those
-``pyproject.toml`` declares and CI installs (``.ci/floor.txt``), and an older release is refused by name and version."""
+``pyproject.toml`` declares and CI installs (``.ci/floor.txt``), an older release is refused by name and version, and
+the ceiling ``pyproject.toml`` declares admits the newest torch CI installs (``.ci/ceiling.txt``) and nothing newer."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ def declared_floors() -> dict[str, str]:
     return dict(re.findall(r'"([\w-]+)>=([\d.]+)', dependencies.group(1)))
 
 
+def pins(edge: str) -> dict[str, str]:
+    """``.ci/<edge>.txt``'s ``package==X`` pins."""
+    return dict(re.findall(r"^([\w-]+)==([\w.+]+)", (ROOT / ".ci" / f"{edge}.txt").read_text(), re.M))
+
+
 def floor_pins() -> dict[str, str]:
-    """``.ci/floor.txt``'s ``package==X`` pins."""
-    return dict(re.findall(r"^([\w-]+)==([\w.+]+)", (ROOT / ".ci" / "floor.txt").read_text(), re.M))
+    return pins("floor")
 
 
 def test_pyproject_and_ci_floor_are_the_checked_floors() -> None:
@@ -34,6 +39,15 @@ def test_pyproject_and_ci_floor_are_the_checked_floors() -> None:
         assert release(declared[package])[:2] == floor, package
         assert release(pins[package])[:2] == floor, package
     assert pins["torchmetrics"] == declared["torchmetrics"]  # the oldest torchmetrics is tested too
+
+
+def test_the_declared_torch_ceiling_is_the_newest_release_ci_tests() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    ceiling = re.search(r'"torch>=[\d.]+,<([\d.]+)"', text)
+    assert ceiling is not None, "pyproject.toml declares no ceiling for torch"
+    tested = release(pins("ceiling")["torch"])
+    assert release(ceiling.group(1)) == (tested[0], tested[1] + 1)  # every patch of the tested minor, nothing newer
+    assert release(pins("ceiling")["lightning"]) >= release(pins("floor")["lightning"])
 
 
 @pytest.mark.parametrize(

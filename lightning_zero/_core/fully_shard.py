@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -23,6 +22,7 @@ from lightning_zero._stage3.sharded_module import (
     masters_in_fp32,
     precision_policy,
 )
+from lightning_zero._warning_filter import RunFilter
 from lightning_zero._wrap import choose_units
 
 _VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
@@ -40,6 +40,7 @@ class FullyShardMode(Mode):
         self.meta_init = MetaInit()
         # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
         self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+        self._quiet = RunFilter(_VIEW_WARNING, UserWarning)
 
     def sibling(self) -> Mode:
         """Modules built together under one ``init_context`` share the record of their meta parameters."""
@@ -56,9 +57,12 @@ class FullyShardMode(Mode):
     def _place(self, module: nn.Module) -> None:
         """Apply ``fully_shard`` to the units and the module, then give parameters built without memory their values,
         shard by shard. A module sharded before (a later ``fit``, ``validate``, ...) stays as it is."""
+        if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
+            self._quiet.add()
         existing = ShardedModule.of(module)
         if existing is not None:
             self.sharded = existing
+            existing.resume()
             existing.reshard()
             return
         self._names = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
@@ -75,8 +79,6 @@ class FullyShardMode(Mode):
         if self.config.master_weights:  # the policy gathers them in bf16
             masters_in_fp32(module)
         self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
-        if dist.get_rank() != 0:  # torch warns of a unit returning a view on every rank; once, on rank 0, says it
-            warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
         with self.placement.materializing(module, units, self.device) as filled:
             materialize(module, plan, lazy, self.device, mesh, self.sharded.shards_on_host, filled)
 
@@ -164,3 +166,11 @@ class FullyShardMode(Mode):
         step's unfinished gathers and reductions and reshard every unit."""
         if self.sharded is not None:  # even if the failure came while setting up
             self.sharded.settle()
+
+    def teardown(self) -> None:
+        """What set-up put into the process for the run (callbacks in torch's collectives, a warnings filter) goes;
+        a later run of the same module puts it back."""
+        super().teardown()
+        if self.sharded is not None:
+            self.sharded.suspend()
+        self._quiet.remove()

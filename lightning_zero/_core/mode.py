@@ -47,6 +47,7 @@ from lightning_zero._core.optimizers import as_set_up, check_configured, unwrap
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import peers
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
 from lightning_zero._transport.torch_private import sync_module_states
 from lightning_zero._transport.traffic import TRAFFIC
@@ -96,6 +97,7 @@ class Mode:
         """Before the optimizers exist: activation checkpointing, then the module's place on ``device``."""
         self.device = device
         TRAFFIC.ranks_per_node = self.ranks_per_node
+        peers.witness_timeouts()  # until teardown
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.config.activation_checkpointing)
         self._place(module)
@@ -215,6 +217,7 @@ class Mode:
     def teardown(self) -> None:
         """After training: release what only training needs; checkpoints can still be written."""
         self.placement.teardown()
+        peers.stop_witnessing_timeouts()
         self.state = LifeCycle.TORN_DOWN
 
     @property

@@ -38,6 +38,7 @@ from lightning_zero._offload.kernels import KernelChoice
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport.mesh import created
 
 
 class Placement:
@@ -159,7 +160,7 @@ class OnHost(Placement):
     def master_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The same ranks as a CPU mesh for a device module (the process group must take host tensors:
         ``cpu:gloo,cuda:nccl``): a DTensor moves its local tensor to its mesh's device type."""
-        return DeviceMesh.from_group(mesh.get_group(), "cpu") if mesh.device_type != "cpu" else None
+        return created(DeviceMesh.from_group(mesh.get_group(), "cpu")) if mesh.device_type != "cpu" else None
 
     def shard_kernels(self, optimizer: Optimizer) -> KernelChoice:
         return KernelChoice.on_shards(optimizer, host=True)

@@ -49,7 +49,13 @@ from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import fsdp_comms, labels
 from lightning_zero._transport.mesh import DataParallelMesh
-from lightning_zero._transport.torch_private import has_run_forward, reset_after_failure
+from lightning_zero._transport.torch_private import (
+    before_own_collectives,
+    forget_own_collectives,
+    has_run_forward,
+    own_collective_callbacks,
+    reset_after_failure,
+)
 
 _MIXED = "got mixed torch.Tensor and DTensor"
 _SHARD_OUTSIDE_FORWARD = (
@@ -98,6 +104,8 @@ class ShardedModule:
         fully_shard(module, mesh=mesh.shard, **policies)
         self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
+        # between runs: each unit's callbacks in `fully_shard`'s own collectives, taken out of torch (see `suspend`)
+        self._suspended: list[tuple[FSDPModule, tuple[Callable[[], None], Callable[[], None]]]] = []
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
@@ -188,6 +196,25 @@ class ShardedModule:
                 for i, param in enumerate(same):
                     if present[i] > 0:
                         param.grad = flat[i].clone()
+
+    def suspend(self) -> None:
+        """At a run's teardown: take out of torch what this module put there for the whole process (the callbacks in
+        ``fully_shard``'s own collectives, where it keeps them), so that other ``fully_shard`` modules of the process
+        run as in a fresh one. :meth:`resume` puts them back."""
+        for unit in self._units():
+            callbacks = own_collective_callbacks(unit)
+            if callbacks is not None:
+                self._suspended.append((unit, callbacks))
+                forget_own_collectives(unit)
+
+    def resume(self) -> None:
+        """Before the module runs again (a later ``fit``, ``validate``, ...): what :meth:`suspend` took out."""
+        for unit, (gather, reduce) in self._suspended:
+            before_own_collectives(unit, gather, reduce)
+        self._suspended.clear()
+
+    def _units(self) -> list[FSDPModule]:
+        return [unit for unit in self.module.modules() if isinstance(unit, FSDPModule)]
 
     def reshard(self) -> None:
         """Free the root unit's gathered parameters (after an evaluation loop: it stays gathered after forward)."""

@@ -54,7 +54,7 @@ def _release_groups() -> None:
     rest (a module's engine, its sharded tensors), which destroys the groups and joins their threads."""
     mesh.forget_meshes()
     TRAFFIC.forget_groups()
-    release_mesh_groups()
+    release_mesh_groups(mesh.created_meshes())
     gc.collect()
 
 
@@ -65,7 +65,7 @@ def _before_fork() -> None:
         return
     TRAFFIC.forget_groups()
     if not (dist.is_available() and dist.is_initialized()):  # no run goes on: every mesh left is an ended run's
-        release_mesh_groups()
+        release_mesh_groups(mesh.created_meshes())
     gc.collect()
 
 

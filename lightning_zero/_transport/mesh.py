@@ -12,6 +12,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -41,6 +42,19 @@ class DataParallelMesh:
 # Per default process group (a test may destroy and create it again), device type and shard group size: groups are
 # created once, collectively, and reused by every later run of the process (each group opens its own channels).
 _MESHES: dict[tuple[ProcessGroup, str, int], DataParallelMesh] = {}
+# every mesh this package created and that still lives: those whose references to process groups it releases
+_CREATED: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
+
+
+def created(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``, recorded as one this package created (see :func:`created_meshes`)."""
+    _CREATED.add(mesh)
+    return mesh
+
+
+def created_meshes() -> list[DeviceMesh]:
+    """The meshes this package created that still live."""
+    return list(_CREATED)
 
 
 def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
@@ -54,7 +68,7 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
     if key not in _MESHES:
         world_size = world.size()
         if shard_size == world_size:
-            _MESHES[key] = DataParallelMesh(init_device_mesh(device_type, (world_size,)), None, world)
+            _MESHES[key] = DataParallelMesh(created(init_device_mesh(device_type, (world_size,))), None, world)
         else:
             timeout = group_timeout(world)
             # every rank creates every group, in the same order, as `new_group` requires
@@ -64,7 +78,7 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
             rank = world.rank()
             shard = groups[tuple(shards[rank // shard_size])]
             replicate = groups[tuple(replicas[rank % shard_size])]
-            _MESHES[key] = DataParallelMesh(DeviceMesh.from_group(shard, device_type), replicate, world)
+            _MESHES[key] = DataParallelMesh(created(DeviceMesh.from_group(shard, device_type)), replicate, world)
     return _MESHES[key]
 
 

@@ -64,6 +64,15 @@ def witness_timeouts() -> None:
         logger.addHandler(_WITNESS)
 
 
+def stop_witnessing_timeouts() -> None:
+    """Take the witness off torch's c10d logger (at a run's teardown: the logger is the process's, not the run's)."""
+    from torch.distributed import c10d_logger
+
+    logger = getattr(c10d_logger, "_c10d_logger", None)
+    if isinstance(logger, logging.Logger):
+        logger.removeHandler(_WITNESS)
+
+
 def timeouts_witnessed() -> int:
     """How many of torch's collectives have timed out in this process so far (compare two counts to tell whether one
     did in between)."""

@@ -28,9 +28,8 @@ when a torch release moves it.
 
 from __future__ import annotations
 
-import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,19 +53,42 @@ except ImportError:  # older torch: `fully_shard` keeps its own collectives
 
 # FSDPParam -> (called before its unit's all-gather, before its unit's reduce-scatter), where torch keeps its own
 _BEFORE_OWN: weakref.WeakKeyDictionary[Any, tuple[Callable[[], None], Callable[[], None]]] = weakref.WeakKeyDictionary()
+# the module-level names of `fully_shard`'s parameter group that :func:`before_own_collectives` rebinds, and what they
+# were bound to before; empty while nothing is rebound
+_OWN_COLLECTIVES = ("foreach_all_gather", "foreach_reduce")
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
 def before_own_collectives(unit: FSDPModule, gather: Callable[[], None], reduce: Callable[[], None]) -> None:
     """On a torch whose ``fully_shard`` keeps its own collectives: call ``gather`` just before each all-gather of
     ``unit``'s parameters and ``reduce`` just before each reduce-scatter of its gradients, on the thread that starts
-    them (the calls its parameter group makes through ``foreach_all_gather`` and ``foreach_reduce``)."""
+    them (the calls its parameter group makes through ``foreach_all_gather`` and ``foreach_reduce``, rebound here
+    while any unit has callbacks: :func:`forget_own_collectives` restores them)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
-    if not hasattr(param_group.foreach_all_gather, "_lightning_zero"):
-        param_group.foreach_all_gather = _calling_first(param_group.foreach_all_gather, 0)
-        param_group.foreach_reduce = _calling_first(param_group.foreach_reduce, 1)
+    if not _ORIGINALS:
+        for which, name in enumerate(_OWN_COLLECTIVES):
+            _ORIGINALS[name] = getattr(param_group, name)
+            setattr(param_group, name, _calling_first(_ORIGINALS[name], which))
     for shard in unit_shards(unit):
         _BEFORE_OWN[shard] = (gather, reduce)
+
+
+def own_collective_callbacks(unit: FSDPModule) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """The callbacks :func:`before_own_collectives` gave ``unit``, if it has any."""
+    shards = unit_shards(unit)
+    return _BEFORE_OWN.get(shards[0]) if shards else None
+
+
+def forget_own_collectives(unit: FSDPModule) -> None:
+    """Drop ``unit``'s callbacks; once no unit has any, ``fully_shard``'s module-level names are what they were."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    for shard in unit_shards(unit):
+        _BEFORE_OWN.pop(shard, None)
+    if not _BEFORE_OWN and _ORIGINALS:
+        for name in _OWN_COLLECTIVES:
+            setattr(param_group, name, _ORIGINALS.pop(name))
 
 
 def _calling_first(collective: Callable[..., Any], which: int) -> Callable[..., Any]:
@@ -79,7 +101,6 @@ def _calling_first(collective: Callable[..., Any], which: int) -> Callable[..., 
             before[which]()
         return collective(shards, *args, **kwargs)
 
-    call._lightning_zero = True  # type: ignore[attr-defined]
     return call
 
 
@@ -187,14 +208,14 @@ def reset_after_failure(root: FSDPModule) -> None:
     root.set_reshard_after_forward(False, recurse=False)
 
 
-def release_mesh_groups() -> None:
-    """Make every live ``DeviceMesh`` drop its references to its process groups (``_pg_registry``, in recent torch
-    releases). DTensor's caches (sharding propagation, redistribution plans, mesh topology) keep meshes for the life of
-    the process, and with them the groups, which ``destroy_process_group`` then cannot destroy. For the end of the
-    process only: a mesh without them cannot be compiled through."""
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DeviceMesh):  # not isinstance: it would read `__class__`, which some objects warn on
-            getattr(obj, "_pg_registry", {}).clear()
+def release_mesh_groups(meshes: Iterable[DeviceMesh]) -> None:
+    """Make ``meshes`` (those this package created) drop their references to their process groups (``_pg_registry``,
+    in recent torch releases, shared with the meshes sliced from them). DTensor's caches (sharding propagation,
+    redistribution plans, mesh topology) keep meshes for the life of the process, and with them the groups, which
+    ``destroy_process_group`` then cannot destroy. For the end of a run only: a mesh without them cannot be compiled
+    through."""
+    for mesh in meshes:
+        getattr(mesh, "_pg_registry", {}).clear()
 
 
 def default_store() -> Store | None:
@@ -214,9 +235,12 @@ __all__ = [
     "ReduceScatter",
     "before_own_collectives",
     "default_store",
+    "dtensor_like",
+    "forget_own_collectives",
     "gather_for_recompute",
     "has_run_forward",
     "move_shard",
+    "own_collective_callbacks",
     "padded_shard",
     "registered",
     "release_mesh_groups",
