@@ -24,10 +24,9 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero._transport.torch_private import gather_for_recompute
+from lightning_zero._transport.torch_private import CheckpointWrapper, gather_for_recompute
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 """A user policy: ``(module, qualified name) -> bool``, asked for every submodule."""

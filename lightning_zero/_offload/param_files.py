@@ -41,6 +41,7 @@ from lightning_zero._transport.torch_private import (
     settle_shards,
     shard_grad,
     shard_owner,
+    sharded_param,
     unit_shards,
 )
 
@@ -55,7 +56,7 @@ def _page_multiple(nbytes: int) -> int:
 class Region:
     """One parameter's place in its unit's files: the byte range of its padded shard (and of its gradient)."""
 
-    shard: Any  # the ``FSDPParam``
+    shard: Any  # a shard of the seam's (see `torch_private.unit_shards`)
     offset: int
     nbytes: int
     grad: torch.Tensor | None = None  # its gradient's view of the unit's gradient file, from its first backward
@@ -76,7 +77,7 @@ class UnitFiles:
     @property
     def params(self) -> list[nn.Parameter]:
         """The unit's parameters in its files, in the files' order."""
-        return [region.shard.sharded_param for region in self.regions]
+        return [sharded_param(region.shard) for region in self.regions]
 
     def advise(self, advice: int, region: Region | None = None) -> None:
         """``madvise`` the unit's pages (or one region's), shards and gradients alike."""
@@ -191,7 +192,7 @@ class ParameterFiles:
             source = padded_shard(region.shard)
             mapped = self._view(files.shards, region, source.dtype, source.numel()).copy_(source)
             move_shard(region.shard, mapped)
-            param = region.shard.sharded_param
+            param = sharded_param(region.shard)
             self._of_param[id(param)] = files
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(lambda p, f=files, r=region: self._grad_arrived(f, r, p))

@@ -34,9 +34,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._stage3.lazy import SCRATCH, Arena, Empty, LazyTensor, Source
 from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.torch_private import my_rows
 
 aten = torch.ops.aten
 _EMPTY_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
@@ -298,8 +298,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _my_rows(full: torch.Tensor, local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """This rank's rows of ``full`` under ``Shard(0)``, as ``fully_shard`` splits (see :class:`ShardSpec`)."""
-    mine = ShardSpec(full.shape, group.size()).take(full, group.rank())
+    """This rank's rows of ``full`` under ``Shard(0)``, as ``fully_shard`` splits (the seam's contract item)."""
+    mine = my_rows(full, group.rank(), group.size())
     if mine.shape != local.shape:
         raise RuntimeError(f"A shard of shape {tuple(local.shape)} is not this rank's rows of {tuple(full.shape)}.")
     return mine

@@ -51,6 +51,7 @@ from lightning_zero._transport import fsdp_comms, labels
 from lightning_zero._transport.mesh import DataParallelMesh
 from lightning_zero._transport.torch_private import (
     before_own_collectives,
+    check_contract,
     forget_own_collectives,
     has_run_forward,
     own_collective_callbacks,
@@ -102,6 +103,7 @@ class ShardedModule:
         for unit in units:  # deepest first
             fully_shard(unit, mesh=mesh.shard, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
+        check_contract([*units, module])  # now, not at the first step: a torch whose internals differ says so here
         self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
         # between runs: each unit's callbacks in `fully_shard`'s own collectives, taken out of torch (see `suspend`)

@@ -1,41 +1,52 @@
-"""The private parts of torch this package relies on, in one place: each import says what it is for and what happens
-when a torch release moves it.
+"""The seam between this package and the private parts of torch it relies on: nothing else in the package names a
+private attribute or module of ``fully_shard`` (or of DTensor, or of torch's process groups), and each thing used is
+a contract item below, checked on the real objects as stage 3 sets up (:func:`check_contract`), so that a torch whose
+internals differ fails there, with an error naming the item, never at step 100.
 
-- ``fully_shard``'s pluggable collectives (:class:`AllGather`, :class:`ReduceScatter`), which
-  :mod:`.fsdp_comms` implements on CPU process groups; on a torch without them ``fully_shard`` keeps its own
-  collectives (:data:`CUSTOM_COLLECTIVES` is false) and training still runs, only slower on gloo (and reducing by
-  sum, since gloo's reduce-scatter there sums where it is asked to average). There, the module-level names through
-  which a unit's parameter group calls its own all-gather and reduce-scatter (:func:`before_own_collectives`) let
-  the ranks meet, labelled, before each.
-- ``_sync_module_states``, the broadcast of rank 0's parameters and buffers that DDP and FSDP start from.
-- a ``fully_shard`` root's state (:func:`has_run_forward`): whether its lazy set-up, at the first forward, happened.
-- a ``fully_shard`` unit's training state and parameter group (:func:`gather_for_recompute`), to gather units that
-  activation checkpointing recomputes in backward where torch does not (torch 2.8).
-- a ``fully_shard`` unit's parameters as it keeps them (:func:`unit_shards`, :func:`move_shard`, :func:`shard_grad`,
-  :func:`settle_shards`): the padded copy of each shard that it gathers from, which parameters offloaded to disk
-  replace with memory-mapped files (once its lazy set-up's re-padding is done), and the DTensor form of a gradient
-  shard.
-- a DTensor's layout given to a new local tensor on that tensor's own device (:func:`dtensor_like`): the public
-  ``DTensor.from_local`` moves the tensor to its mesh's device type, and ``fully_shard`` keeps host-offloaded shards
-  (and so their optimizer state) as host tensors on a CUDA mesh.
-- a ``fully_shard`` root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
-  torch; a torch without it gets every unit resharded by hand.
-- a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`); a torch whose meshes hold
-  none has nothing to release.
-- the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
-  that does not expose it gets ``None``, and errors then do not name the other ranks' causes.
+The contract, item by item (:data:`CONTRACT` checks each; ``tests/test_seam.py`` exercises each on every torch CI
+runs):
+
+- **unit state**: a ``fully_shard`` unit's state says whether the root's lazy set-up ran (:func:`has_run_forward`)
+  and where a unit is in its step (:func:`gather_for_recompute`, to gather units that activation checkpointing
+  recomputes in backward where torch 2.8 does not).
+- **parameter groups**: a unit's parameter group(s) (several in recent torch, one in 2.8) and their ``FSDPParam``
+  shards (:func:`unit_shards`), which gather and reshard on request.
+- **shard storage**: the padded copy of each shard that a unit gathers from (:func:`padded_shard`), replaced by
+  memory-mapped files under ``offload_parameters="disk"`` (:func:`move_shard`, once the lazy set-up's re-padding is
+  done: :func:`settle_shards`); the parameter a shard registers, and where (:func:`sharded_param`,
+  :func:`shard_owner`, :func:`registered`).
+- **gradient shard**: the DTensor form of a gradient shard (:func:`shard_grad`).
+- **row split**: a parameter's rows on each rank (:func:`my_rows`), as ``fully_shard`` splits dim 0.
+- **own collectives**: on a torch whose ``fully_shard`` has no pluggable collectives (:data:`CUSTOM_COLLECTIVES` is
+  false: 2.8), the module-level names through which a parameter group calls its all-gather and reduce-scatter,
+  rebound while a unit has callbacks before them (:func:`before_own_collectives`; :func:`forget_own_collectives`
+  restores them); where it has them, the interface of ``fully_shard``'s pluggable collectives (:class:`AllGather`,
+  :class:`ReduceScatter`), which :mod:`.fsdp_comms` implements on CPU process groups.
+- **reset**: a root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
+  torch, every unit resharded by hand in 2.8.
+- **DTensor layout**: a DTensor's layout given to a new local tensor on that tensor's own device
+  (:func:`dtensor_like`): the public ``DTensor.from_local`` moves the tensor to its mesh's device type, and
+  ``fully_shard`` keeps host-offloaded shards (and so their optimizer state) as host tensors on a CUDA mesh.
+
+Beyond ``fully_shard``, checked where used: ``_sync_module_states``, the broadcast of rank 0's parameters and buffers
+that DDP and FSDP start from; a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`;
+a torch whose meshes hold none has nothing to release); the default process group's store (:func:`default_store`,
+where ranks tell each other why they failed; without it ``None``, and errors then do not name the other ranks'
+causes); the checkpoint wrapper class activation checkpointing puts around a unit (:data:`CheckpointWrapper`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import Store
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -140,6 +151,20 @@ def _param_groups(unit: FSDPModule) -> list[Any]:
     return [group for group in groups if group is not None]
 
 
+def sharded_param(shard: Any) -> nn.Parameter:
+    """The parameter (a DTensor of this rank's rows) that ``shard`` registers in its module."""
+    return shard.sharded_param
+
+
+def my_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """``rank``'s rows of ``full`` as ``fully_shard`` splits dim 0 over ``world_size`` ranks: ``torch.chunk``'s
+    pieces (ceil(rows / world_size) each, the last ones shorter or empty)."""
+    if full.dim() == 0:
+        return full
+    pieces = torch.chunk(full, world_size, dim=0)
+    return pieces[rank] if rank < len(pieces) else full.narrow(0, full.size(0), 0)
+
+
 def registered(shard: Any) -> bool:
     """Whether ``shard``'s parameter is still the one its module registers (nothing replaced it since
     :func:`settle_shards`)."""
@@ -229,17 +254,122 @@ def default_store() -> Store | None:
         return None
 
 
+class TorchContractError(RuntimeError):
+    """The installed torch lacks something of ``fully_shard`` (or DTensor) this package relies on."""
+
+
+@dataclass(frozen=True)
+class ContractItem:
+    """One thing of torch's private state the package relies on, checked on the units ``fully_shard`` just sharded."""
+
+    name: str
+    what: str  # what the package uses it for
+    holds: Callable[[FSDPModule], bool]  # on one unit
+
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(hasattr(obj, name) for name in names)
+
+
+def _state_holds(unit: FSDPModule) -> bool:
+    return _has(unit, "_get_fsdp_state") and _has(unit._get_fsdp_state(), "_is_root", "_training_state")
+
+
+def _groups_hold(unit: FSDPModule) -> bool:
+    """Its groups have what the package uses, and hold a shard of each parameter the unit manages (those of its
+    modules that no unit inside it manages)."""
+    groups = _param_groups(unit)
+    if not all(_has(g, "fsdp_params", "_reset_sharded_params", "unshard", "wait_for_unshard", "is_unsharded") for g in
+               groups):  # fmt: skip
+        return False
+    own = {id(p) for m in _managed_modules(unit) for p in m.parameters(recurse=False) if isinstance(p, DTensor)}
+    return own == {id(shard.sharded_param) for shard in unit_shards(unit)}
+
+
+def _managed_modules(unit: FSDPModule) -> list[nn.Module]:
+    """``unit`` and its modules down to, not into, the units inside it."""
+    found, todo = [], [unit]
+    while todo:
+        module = todo.pop()
+        found.append(module)
+        todo.extend(child for child in module.children() if not isinstance(child, FSDPModule))
+    return found
+
+
+def _storage_holds(unit: FSDPModule) -> bool:
+    return all(
+        _has(shard, "_sharded_param_data", "sharded_param", "padded_sharded_param_size", "reset_sharded_param")
+        and _has(shard, "_init_extensions", "_module_info", "to_sharded_dtensor")
+        and _has(shard._module_info, "module", "param_name")
+        and _has(shard.sharded_param, "_local_tensor")
+        for shard in unit_shards(unit)
+    )
+
+
+def _rows_hold(unit: FSDPModule) -> bool:
+    def holds(param: DTensor) -> bool:
+        mesh = param.device_mesh
+        full = torch.empty(param.shape, device="meta")
+        return my_rows(full, mesh.get_local_rank(), mesh.size()).shape == param.to_local().shape
+
+    return all(holds(shard.sharded_param) for shard in unit_shards(unit))
+
+
+def _own_collectives_hold(unit: FSDPModule) -> bool:
+    if CUSTOM_COLLECTIVES:
+        return _has(unit, "set_custom_all_gather", "set_custom_reduce_scatter")
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    return _has(param_group, *_OWN_COLLECTIVES)
+
+
+CONTRACT = (
+    ContractItem("unit state", "whether the root's set-up ran; where a unit is in its step", _state_holds),
+    ContractItem("parameter groups", "a unit's groups and their shards, gathered on request", _groups_hold),
+    ContractItem("shard storage", "the padded shard a unit gathers from, replaced by files on disk; a gradient"
+                 " shard as a DTensor", _storage_holds),
+    ContractItem("row split", "each rank's rows of a parameter built after sharding", _rows_hold),
+    ContractItem("own collectives", "labels before each gather and reduction of a unit", _own_collectives_hold),
+    ContractItem("reset", "a root at rest after an aborted step", lambda u: _has(u, "set_reshard_after_forward")),
+    ContractItem("DTensor layout", "optimizer state in files keeps its layout", lambda u: all(
+        _has(shard.sharded_param, "_spec") for shard in unit_shards(u))),
+)  # fmt: skip
+
+
+def check_contract(units: list[FSDPModule]) -> None:
+    """Check every :data:`CONTRACT` item on each of ``units`` (those ``fully_shard`` just sharded); raise
+    :class:`TorchContractError` naming the first that does not hold."""
+    for item in CONTRACT:
+        for unit in units:
+            try:
+                holds = item.holds(unit)
+            except (AttributeError, IndexError, TypeError, RuntimeError):
+                holds = False
+            if not holds:
+                raise TorchContractError(
+                    f"torch {torch.__version__}'s `fully_shard` does not provide what lightning_zero's stage 3 relies"
+                    f" on for the contract item {item.name!r} ({item.what}). HINT: use a torch release within the"
+                    " range lightning_zero declares (`pip install lightning-zero` picks one); `docs/how-it-works.md`"
+                    " ('The seam over fully_shard') says what each release provides."
+                )
+
+
 __all__ = [
+    "CONTRACT",
     "CUSTOM_COLLECTIVES",
     "AllGather",
+    "CheckpointWrapper",
     "ReduceScatter",
+    "TorchContractError",
     "before_own_collectives",
+    "check_contract",
     "default_store",
     "dtensor_like",
     "forget_own_collectives",
     "gather_for_recompute",
     "has_run_forward",
     "move_shard",
+    "my_rows",
     "own_collective_callbacks",
     "padded_shard",
     "registered",
@@ -248,6 +378,7 @@ __all__ = [
     "settle_shards",
     "shard_grad",
     "shard_owner",
+    "sharded_param",
     "sync_module_states",
     "unit_shards",
 ]
