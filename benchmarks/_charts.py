@@ -1,9 +1,10 @@
 """The charts the benchmarks draw beside their tables, from the same numbers.
 
 matplotlib is optional (the ``bench`` extra): without it a benchmark prints its tables and says how to get the
-charts. Every chart carries its provenance in a footer: the device the numbers were measured on, the commit they
-were measured at (``+changes`` when the work tree differed from it) and the date. By default a chart is written to
-``docs/assets/charts/``, where the documentation shows it; ``--chart PATH`` writes it elsewhere.
+charts. Every chart carries its provenance in a footer: the device the numbers were measured on, the torch and
+Lightning releases, the commit they were measured at (``+changes`` when the work tree differed from it) and the date.
+By default a chart is written to ``docs/assets/charts/``, where the documentation shows it; ``--chart PATH`` writes it
+elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import platform
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +80,13 @@ REVISION = _revision()  # as the benchmark starts: the code that measured, whate
 LOAD = os.getloadavg()[0]  # what else the machine was running as the benchmark started, which its times reflect
 
 
+RELEASES = f"torch {version('torch')}, lightning {version('lightning')}"  # what the numbers were measured on
+
+
 def provenance(device: str) -> str:
-    """``"<device> | commit abc1234 | 2026-11-23"``: where and when the numbers were measured."""
-    return f"{device} | commit {REVISION} | {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
+    """``"<device> | torch 2.13.0+cpu, lightning 2.6.6 | commit abc1234 | 2026-11-23"``: where, on what and when the
+    numbers were measured."""
+    return f"{device} | {RELEASES} | commit {REVISION} | {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
 
 
 def save(figure: Any, path: Path, device: str) -> None:

@@ -194,7 +194,8 @@ def test_model_only_loads_check_keys_as_ddp_does(tmp_path: Path) -> None:
     """`trainer.validate`/`predict`/`test(model, ckpt_path=...)` and `fabric.load(path, {"model": model})` into a
     module lacking a layer of the checkpoint, or holding one it lacks: under zero2 and zero3 exactly what `"ddp"`
     does, on every rank: strict (the default), a `RuntimeError` in `load_state_dict`'s words listing the keys; not
-    strict (`model.strict_loading = False`, `fabric.load(..., strict=False)`), the common entries loaded."""
+    strict (`model.strict_loading = False`, `fabric.load(..., strict=False)`), the common entries loaded. And loads
+    of a checkpoint inside `torch.inference_mode()` or `torch.no_grad()`, under every stage."""
     codes, outputs = run_to_the_end("tests.workers.model_only_loads", [str(tmp_path)], tmp_path / "logs")
     outcomes = [json.loads((tmp_path / f"outcomes-rank{rank}.json").read_text()) for rank in range(2)]
     assert outcomes[0] == outcomes[1]
@@ -217,6 +218,11 @@ def test_model_only_loads_check_keys_as_ddp_does(tmp_path: Path) -> None:
     }
     for strategy in ("zero2", "zero3"):
         assert outcomes[0][strategy] == ddp, strategy
+    # Lightning's habit of loading for `trainer.test` inside `torch.inference_mode()`, and `no_grad`: every stage loads
+    # the saved weights as `"ddp"` does (zero3 used to fail: "Cannot set version_counter for inference tensor")
+    loads = [f"trainer.{how}" for how in ("test", "validate", "predict")] + ["fabric.load"]
+    loaded = {f"{load} in {mode}": {"loaded": True} for mode in ("inference_mode", "no_grad") for load in loads}
+    assert outcomes[0]["grad modes"] == {strategy: loaded for strategy in ("ddp", "zero1", "zero2", "zero3")}
     assert codes == [0, 0], outputs
 
 

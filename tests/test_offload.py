@@ -14,7 +14,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 
-from lightning_zero import OffloadError, Zero2Strategy, Zero3Strategy, ZeroStrategy, consolidate_checkpoint
+from lightning_zero import (
+    OffloadError,
+    Zero1Strategy,
+    Zero2Strategy,
+    Zero3Strategy,
+    ZeroStrategy,
+    consolidate_checkpoint,
+)
+from lightning_zero._core.front_end import register_names
 from lightning_zero._offload.target import OffloadTarget, memory_filesystem
 from tests.launch import REPO, launch
 from tests.oracle import BY_PRECISION, FP32, close, compare_optimizer_states, compare_runs, full
@@ -414,6 +425,36 @@ def test_memory_filesystem_is_named() -> None:
         pytest.skip("/dev/shm is not a memory filesystem on this machine")
     with pytest.warns(UserWarning, match="`offload_dir='/dev/shm'` is on a tmpfs filesystem, which lives in memory"):
         Zero3Strategy(offload_parameters="disk", offload_dir="/dev/shm")
+
+
+@pytest.mark.parametrize("temporary", ["/dev/shm", "a directory on disk"])
+def test_zero3_infinity_names_a_temporary_directory_in_memory(
+    temporary: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`"zero3_infinity"` puts its files under the temporary directory (`tempfile.gettempdir()`, at registration): on a
+    tmpfs it warns, naming the directory, the registered name and `offload_dir`; on disk it is silent."""
+    directory = Path(temporary) if temporary.startswith("/") else tmp_path
+    in_memory = memory_filesystem(directory) is not None
+    if in_memory != (temporary == "/dev/shm"):
+        pytest.skip(f"{directory} is {'' if in_memory else 'not '}a memory filesystem on this machine")
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    registry = _StrategyRegistry()
+    register_names(registry, (Zero1Strategy, Zero2Strategy, Zero3Strategy))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = registry.get("zero3_infinity")
+    assert strategy.config.offload_dir == directory
+    messages = [str(w.message) for w in caught if "filesystem" in str(w.message)]
+    if not in_memory:
+        assert messages == []
+        return
+    assert messages == [
+        f"`offload_dir='{directory}'`, the temporary directory where `\"zero3_infinity\"` puts its files unless told"
+        " otherwise, is on a tmpfs filesystem, which lives in memory: what is offloaded there takes host memory as"
+        " before. HINT: point `offload_dir` at a directory on a local disk, e.g. `Zero3Strategy(offload_parameters="
+        "'disk', offload_dir='/path/on/disk')` in place of `\"zero3_infinity\"`, or start Python with `TMPDIR` set to"
+        " a directory on a local disk."
+    ]
 
 
 def test_memory_report_says_what_is_offloaded() -> None:

@@ -4,15 +4,21 @@ The modules of a checkpoint, each with the mode that trains it, are one module t
 is named as itself (its parameter names, as the Trainer's checkpoints name them); several, as the children of one
 ``nn.ModuleDict`` under their names in Fabric's ``state`` (``{"g": generator, "d": discriminator}`` gives ``g.<fqn>``
 and ``d.<fqn>``), so that each optimizer's state is named after the parameters it updates, wherever they live.
+
+Every road runs outside the caller's ``torch.inference_mode()`` (Lightning's own tests load a checkpoint for
+``trainer.test`` inside one): bringing stage 3's module to rest swaps its parameters' storage, and a load writes into
+live tensors and creates the optimizer's state, none of which inference mode allows or should leave behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.optim import Optimizer
@@ -25,6 +31,14 @@ from lightning_zero._checkpoint.live import (
 )
 from lightning_zero._core.mode import Mode
 from lightning_zero._core.optimizers import as_set_up
+
+
+@contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """Run as if the caller were in ``torch.no_grad()``, also when it is in ``torch.inference_mode()``: tensors
+    written or made here stay ordinary tensors that training can use after."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Checkpointed:
         """A module alone, the Trainer's case."""
         return cls({"": Trained(module, mode)}, lambda _: mode)
 
+    @outside_inference_mode()
     def module_states(self) -> dict[str, dict[str, Any]]:
         """Each module's entries (see :meth:`Mode.model_entries`) under its name."""
         return {key: trained.mode.model_entries(trained.module) for key, trained in self.modules.items()}
@@ -65,11 +80,13 @@ class Checkpointed:
         """The state dict of :attr:`named_like` for a checkpoint."""
         return self.combined(self.module_states())
 
+    @outside_inference_mode()
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """An optimizer's state dict for a checkpoint, parameters named, shards left as DTensors."""
         self._mode_of(optimizer).at_rest()
         return named_optimizer_state(as_set_up(optimizer), self.named_like)
 
+    @outside_inference_mode()
     def save_directory(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Write Lightning's ``checkpoint``, made of :meth:`module_state` and :meth:`optimizer_state`, as a directory
         at ``path``, every rank its own shards."""
@@ -80,6 +97,7 @@ class Checkpointed:
         for trained in self.modules.values():
             trained.mode.after_save()
 
+    @outside_inference_mode()
     def load_directory(
         self,
         path: Path,
@@ -99,6 +117,7 @@ class Checkpointed:
             trained.mode.after_load()
         return rest
 
+    @outside_inference_mode()
     def load_module_state(self, state_dict: dict[str, Any], strict: bool) -> None:
         """Load a state dict of whole tensors (an ordinary single-file checkpoint, or what the user hands over) into
         the modules at rest: each rank keeps what it holds of each (stage 3: its rows, by a hook of the sharded module;
@@ -107,6 +126,7 @@ class Checkpointed:
             trained.mode.at_rest()
         self.named_like.load_state_dict(state_dict, strict=strict)
 
+    @outside_inference_mode()
     def load_optimizer_state(
         self, optimizer: Optimizer, state_dict: dict[str, Any], recorded: dict[int, list[str]] | None = None
     ) -> None:

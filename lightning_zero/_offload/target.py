@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -36,11 +37,7 @@ def check_directory(option: str, directory: Path) -> Path:
         )
     filesystem = memory_filesystem(directory)
     if filesystem is not None:
-        warnings.warn(
-            f"`{option}={str(directory)!r}` is on a {filesystem} filesystem, which lives in memory: what is offloaded"
-            f" there takes host memory as before. HINT: point `{option}` at a directory on a local disk.",
-            stacklevel=4,
-        )
+        warnings.warn(_in_memory(option, directory, filesystem), stacklevel=4)
     try:
         os.close(nameless_file(directory))  # as the state's files will be made
     except OSError as error:
@@ -49,6 +46,22 @@ def check_directory(option: str, directory: Path) -> Path:
             " can create files in."
         ) from error
     return directory
+
+
+def _in_memory(option: str, directory: Path, filesystem: str) -> str:
+    """The warning for ``directory`` on a memory ``filesystem``: the temporary directory is where ``"zero3_infinity"``
+    puts its files when no ``offload_dir`` is given, so there the user may not know they chose it."""
+    where, hint = f"`{option}={str(directory)!r}`", f"point `{option}` at a directory on a local disk"
+    if directory.resolve() == Path(tempfile.gettempdir()).resolve():
+        where += ', the temporary directory where `"zero3_infinity"` puts its files unless told otherwise,'
+        hint = (
+            f"{hint}, e.g. `Zero3Strategy(offload_parameters='disk', offload_dir='/path/on/disk')` in place of"
+            ' `"zero3_infinity"`, or start Python with `TMPDIR` set to a directory on a local disk'
+        )
+    return (
+        f"{where} is on a {filesystem} filesystem, which lives in memory: what is offloaded there takes host memory as"
+        f" before. HINT: {hint}."
+    )
 
 
 _IN_MEMORY = ("tmpfs", "ramfs")

@@ -5,6 +5,9 @@ Per strategy: a checkpoint of :class:`Classifier` saved by the Trainer and one s
 into a module lacking a layer (``side``: the checkpoint holds unexpected keys) or holding one more (``extra``: keys
 are missing), strict and not. Records per rank and case what happened: ``{"loaded": whether every loaded tensor
 equals the saved one}`` or ``{"error": its type's bases, its first line up to "for <module>", its key lines}``.
+
+Per strategy, every stage included, the same records for loads made inside ``torch.inference_mode()`` and
+``torch.no_grad()`` (:func:`grad_mode_cases`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from tests.scenarios import MODULE_KWARGS, cpu_trainer
 from tests.workers.modules import Classifier
 
 STRATEGIES = ("ddp", "zero2", "zero3")
+GRAD_MODE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
 
 
@@ -119,9 +124,61 @@ def fabric_cases(strategy: str, out: Path) -> dict[str, Any]:
     }
 
 
+def grad_mode_cases(strategy: str, out: Path) -> dict[str, Any]:
+    """Lightning's habit (its FSDP test ``test_strategy_checkpoint``): the Trainer that trained loads a checkpoint for
+    ``test``/``validate``/``predict`` (``ckpt_path=``) inside ``torch.inference_mode()`` or ``torch.no_grad()``; and
+    ``fabric.load`` inside each. Two checkpoints of different weights, ``a`` and ``b``, are loaded in turn, so that
+    every load changes the weights it is checked against."""
+    saved: dict[str, dict[str, torch.Tensor]] = {}
+    trainers = {}
+    for seed, name in enumerate("ab"):
+        pl.seed_everything(seed)
+        trainers[name] = cpu_trainer(strategy, 2)
+        trainers[name].fit(Classifier(**MODULE_KWARGS))
+        trainers[name].save_checkpoint(out / f"{strategy}-{name}.ckpt")
+        saved[name] = state(trainers[name].lightning_module)
+    trained = trainers["a"]  # holds `a`: its first load is of `b`
+
+    def run(how: str, mode: Callable[[], Any], name: str) -> Callable[[], nn.Module]:
+        def load() -> nn.Module:
+            with mode():
+                getattr(trained, how)(ckpt_path=out / f"{strategy}-{name}.ckpt")
+            return trained.lightning_module
+
+        return load
+
+    cases = {}
+    loads = iter("bababa")
+    for mode_name, mode in GRAD_MODES.items():
+        for how in ("test", "validate", "predict"):
+            name = next(loads)
+            cases[f"trainer.{how} in {mode_name}"] = outcome(run(how, mode, name), saved[name])
+
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+    fabric.launch()
+    for seed, name in enumerate("ab"):
+        pl.seed_everything(seed)
+        model = fabric.setup(Classifier(**MODULE_KWARGS))
+        fabric.save(out / f"{strategy}-fabric-{name}.ckpt", {"model": model})
+        saved[name] = state(model)
+
+    def fabric_load(mode: Callable[[], Any], name: str) -> Callable[[], nn.Module]:
+        def load() -> nn.Module:
+            with mode():
+                fabric.load(out / f"{strategy}-fabric-{name}.ckpt", {"model": model})
+            return model
+
+        return load
+
+    for mode_name, name in zip(GRAD_MODES, "ab", strict=True):  # `model` holds `b`: the first load is of `a`
+        cases[f"fabric.load in {mode_name}"] = outcome(fabric_load(GRAD_MODES[mode_name], name), saved[name])
+    return cases
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     results = {strategy: {**trainer_cases(strategy, out), **fabric_cases(strategy, out)} for strategy in STRATEGIES}
+    results["grad modes"] = {strategy: grad_mode_cases(strategy, out) for strategy in GRAD_MODE_STRATEGIES}
     (out / f"outcomes-rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results, indent=1))
 
 
