@@ -106,8 +106,9 @@ class ShardedModule:
         check_contract([*units, module])  # now, not at the first step: a torch whose internals differ says so here
         self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
-        # between runs: each unit's callbacks in `fully_shard`'s own collectives, taken out of torch (see `suspend`)
-        self._suspended: list[tuple[FSDPModule, tuple[Callable[[], None], Callable[[], None]]]] = []
+        # between runs: each unit's callbacks in `fully_shard`'s own collectives, taken out of torch (see `suspend`),
+        # by the unit's path: this object must not hold the module it belongs to
+        self._suspended: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
@@ -203,20 +204,22 @@ class ShardedModule:
         """At a run's teardown: take out of torch what this module put there for the whole process (the callbacks in
         ``fully_shard``'s own collectives, where it keeps them), so that other ``fully_shard`` modules of the process
         run as in a fresh one. :meth:`resume` puts them back."""
-        for unit in self._units():
+        for path, unit in self._units().items():
             callbacks = own_collective_callbacks(unit)
             if callbacks is not None:
-                self._suspended.append((unit, callbacks))
+                self._suspended[path] = callbacks
                 forget_own_collectives(unit)
 
     def resume(self) -> None:
         """Before the module runs again (a later ``fit``, ``validate``, ...): what :meth:`suspend` took out."""
-        for unit, (gather, reduce) in self._suspended:
-            before_own_collectives(unit, gather, reduce)
+        units = self._units()
+        for path, (gather, reduce) in self._suspended.items():
+            before_own_collectives(units[path], gather, reduce)
         self._suspended.clear()
 
-    def _units(self) -> list[FSDPModule]:
-        return [unit for unit in self.module.modules() if isinstance(unit, FSDPModule)]
+    def _units(self) -> dict[str, FSDPModule]:
+        """Each unit by its path in the module (the root's is ``""``)."""
+        return {path: unit for path, unit in self.module.named_modules() if isinstance(unit, FSDPModule)}
 
     def reshard(self) -> None:
         """Free the root unit's gathered parameters (after an evaluation loop: it stays gathered after forward)."""
