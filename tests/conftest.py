@@ -13,6 +13,14 @@ from tests.launch import RENDEZVOUS
 _AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
 
 
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A gloo group of one rank in this process, for a layer's tests without processes."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group() -> Iterator[None]:
     """A Trainer or Fabric run inside the pytest process (one device) sets rendezvous variables and a process group;

@@ -4,12 +4,8 @@ reference is autograd's own gradient of the same loss."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero._engine.engine import ZeroEngine
@@ -17,13 +13,6 @@ from lightning_zero._engine.reducers import AllReduceReducer, GradHome, ReduceMo
 from lightning_zero._transport.mesh import data_parallel_mesh
 
 BUCKET_BYTES = 64  # a few parameters per bucket, so that several buckets launch during backward
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Net(nn.Module):

@@ -5,24 +5,13 @@ current release and the ceiling), so a release whose internals differ fails here
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_zero._transport import torch_private as seam
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Net(nn.Module):
