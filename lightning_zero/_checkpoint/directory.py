@@ -30,10 +30,11 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -67,6 +68,10 @@ from lightning_zero._threads import in_thread
 
 DCP_METADATA = ".metadata"
 META_FILE = "lightning_zero.pt"
+_SMALL_FILES = {  # what a load reads whole before any shard, beside the record, each with its role
+    DCP_METADATA: "DCP's index of every entry",
+    META_FILE: "the rest of Lightning's checkpoint",
+}
 FORMAT_VERSION = 2  # 2: with checksums.json
 
 
@@ -266,15 +271,20 @@ def _read_small_files(
 ) -> tuple[dict[str, Any], Metadata, Record | None]:
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")
-    roles = {DCP_METADATA: "DCP's index of every entry", META_FILE: "the rest of Lightning's checkpoint"}
-    for name, role in roles.items():
+    for name, role in _SMALL_FILES.items():
         if not os.path.lexists(path / name):
             raise CheckpointError(
                 f"{path} is not a complete lightning_zero checkpoint: it lacks `{name}` ({role}). HINT: copy the"
                 " whole checkpoint directory; a checkpoint this release wrote is complete wherever its path exists."
             )
-    record = Record.read(path)
-    contents = {name: _read_small_file(path, name, role, record) for name, role in roles.items()}
+    with ExitStack() as opened:
+        # containment: each a regular file directly inside the directory, opened once (the file checked is the file
+        # read); then the record; then each file's size against it before a byte is read, and its CRC-32
+        record_file = _open_record(path, opened)
+        files = {name: opened.enter_context(open_file(path, name, role)) for name, role in _SMALL_FILES.items()}
+        record = None if record_file is None else Record.parse(path, record_file.read())
+        read = (lambda name, file: file.read()) if record is None else partial(record.read_opened, path)
+        contents = {name: read(name, file) for name, file in files.items()}
     metadata = read_dcp_metadata(contents[DCP_METADATA], path / DCP_METADATA)
     meta = load_torch_file(contents[META_FILE], f"file {path / META_FILE}", unpickling)
     if not isinstance(meta, dict) or not {"checkpoint", "param_groups", "sharded"} <= meta.keys():
@@ -292,12 +302,13 @@ def _read_small_files(
     return meta, metadata, record
 
 
-def _read_small_file(path: Path, name: str, role: str, record: Record | None) -> bytes:
-    """The bytes of ``.metadata`` or ``lightning_zero.pt``, checked against the record where there is one."""
-    if record is not None:
-        return record.read_file(path, name, role)
-    with open_file(path, name, role) as file:
-        return file.read()
+def _open_record(path: Path, opened: ExitStack) -> BinaryIO | None:
+    """The record of the checkpoint at ``path``, opened as :mod:`.containment` allows and closed with ``opened``;
+    ``None`` where there is none (a checkpoint of format 1)."""
+    try:
+        return opened.enter_context(open_file(path, CHECKSUM_FILE, "the record of every file's checksum"))
+    except FileNotFoundError:
+        return None
 
 
 def _check_layout(path: Path, metadata: Metadata, record: Record | None) -> None:
