@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  registers the strategy name "zero2"
 from lightning_zero._checkpoint import checksums as _checksums
-from lightning_zero._checkpoint.checksums import Record, share, sum_file
+from lightning_zero._checkpoint.checksums import CHECKSUM_FILE, Record, share, sum_file
 from lightning_zero._checkpoint.directory import DCP_METADATA, META_FILE, read_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script too: the repository's packages
@@ -142,8 +142,7 @@ def checksum_seconds(checkpoint: Path, rank: int, world_size: int) -> tuple[floa
     """Seconds of the checksum work alone, with the functions a save and a load call, on the files just written:
     summing the files this rank wrote (its shard file; for rank 0 ``.metadata`` and ``lightning_zero.pt`` too), and
     checking its share of the shard files."""
-    record = Record.read(checkpoint)
-    assert record is not None
+    record = Record.parse(checkpoint, (checkpoint / CHECKSUM_FILE).read_bytes())
     written = [name for name in record.files if name.startswith(f"__{rank}_")]
     if rank == 0:
         written += [DCP_METADATA, META_FILE]

@@ -7,8 +7,9 @@ them (:class:`ChecksummingWriter`); rank 0 gathers the sums, adds ``.metadata`` 
 them last as ``checksums.json``, which carries a CRC-32 of its own entries so that damage to the record itself is told
 apart from damage to the files it describes.
 
-A load checks the small files where every rank reads them (the bytes checked are the bytes parsed) and spreads the
-shard files over the ranks, each read once (:func:`share`).
+A load opens the small files once, then checks each one's size against the record before reading it and its CRC-32
+once read, where every rank reads them (the bytes checked are the bytes parsed), and spreads the shard files over the
+ranks, each read once (:func:`share`).
 """
 
 from __future__ import annotations
@@ -83,15 +84,10 @@ class Record:
         ).encode()
 
     @classmethod
-    def read(cls, path: Path) -> Record | None:
-        """The record of the checkpoint at ``path``; ``None`` for a checkpoint written before records were kept. Every
-        file it names is a plain file name (see :mod:`.containment`)."""
+    def parse(cls, path: Path, data: bytes) -> Record:
+        """The record of the checkpoint at ``path`` from the bytes of its ``checksums.json``, once they match their own
+        CRC-32. Every file it names is a plain file name (see :mod:`.containment`)."""
         file = path / CHECKSUM_FILE
-        try:
-            with open_file(path, CHECKSUM_FILE, "the record of every file's checksum") as opened:
-                data = opened.read()
-        except FileNotFoundError:
-            return None
         try:
             content = json.loads(data)
             if content["algorithm"] != ALGORITHM:
@@ -108,12 +104,12 @@ class Record:
             inside(path, name, f"`{CHECKSUM_FILE}`")
         return cls(files)
 
-    def read_file(self, path: Path, name: str, role: str) -> bytes:
-        """The bytes of the file ``name`` (``role``: what it holds) of the checkpoint at ``path``, once its size is
-        the recorded one (a larger file is never read) and its bytes are the ones written."""
+    def read_opened(self, path: Path, name: str, file: BinaryIO) -> bytes:
+        """The bytes of the file ``name`` of the checkpoint at ``path``, opened as ``file``, once its size is the
+        recorded one (a larger file is never read) and its bytes are the ones written."""
         expected = self._expected(path, name)
-        with self._open(path, name, role, expected) as file:
-            data = file.read(expected.size + 1)
+        _check_size(path / name, file, expected)
+        data = file.read(expected.size + 1)
         _compare(path / name, expected, sum_bytes(data))
         return data
 
@@ -131,16 +127,24 @@ class Record:
             raise CheckpointError(
                 f"Checkpoint file {path / name} is missing ({expected.size:,} bytes when it was written). {DAMAGE_HINT}"
             ) from None
-        size = os.fstat(file.fileno()).st_size
-        if size != expected.size:
+        try:
+            _check_size(path / name, file, expected)
+        except CheckpointError:
             file.close()
-            _compare(path / name, expected, FileSum(size, expected.crc32))
+            raise
         return file
 
     def _expected(self, path: Path, name: str) -> FileSum:
         if name not in self.files:
             raise CheckpointError(f"Checkpoint {path}: {CHECKSUM_FILE} has no entry for `{name}`. {DAMAGE_HINT}")
         return self.files[name]
+
+
+def _check_size(path: Path, file: BinaryIO, expected: FileSum) -> None:
+    """Raise before a byte of the open ``file`` is read if its size is not the recorded one."""
+    size = os.fstat(file.fileno()).st_size
+    if size != expected.size:
+        _compare(path, expected, FileSum(size, expected.crc32))
 
 
 def _compare(file: Path, expected: FileSum, actual: FileSum) -> None:

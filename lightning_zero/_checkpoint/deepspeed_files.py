@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError
+from lightning_zero._checkpoint.error import DAMAGE_HINT, CheckpointError, StateNotSaved
 from lightning_zero._checkpoint.unpickling import DEEPSPEED_STAND_INS, Unpickling, load_torch_file
 
 LATEST = "latest"
@@ -119,7 +119,8 @@ def _rank_files(tag_dir: Path) -> tuple[list[Path], list[Path]]:
             found[rank] = child
     if not models or not optims:
         missing = "model-state file (`*model_states.pt`)" if not models else "optimizer file (`*optim_states.pt`)"
-        raise CheckpointError(
+        error = CheckpointError if not models else StateNotSaved
+        raise error(
             f"DeepSpeed checkpoint {tag_dir} has no {missing}. HINT: copy the whole tag directory; a checkpoint saved"
             " without optimizer state (DeepSpeed's `zero_to_fp32.py` output) is one file: load that instead."
         )

@@ -30,9 +30,11 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -66,6 +68,10 @@ from lightning_zero._threads import in_thread
 
 DCP_METADATA = ".metadata"
 META_FILE = "lightning_zero.pt"
+_SMALL_FILES = {  # what a load reads whole before any shard, beside the record, each with its role
+    DCP_METADATA: "DCP's index of every entry",
+    META_FILE: "the rest of Lightning's checkpoint",
+}
 FORMAT_VERSION = 2  # 2: with checksums.json
 
 
@@ -163,19 +169,6 @@ def _write_own_files_and_publish(
 # --- loading ---------------------------------------------------------------------------------------------------------
 
 
-def readable_directory(path: Path) -> Path | None:
-    """The checkpoint directory a load of ``path`` reads (see :func:`.publish.readable`); ``None``
-    where ``path`` is no directory."""
-    directory = publish.readable(path)
-    if directory is not None and directory != path:
-        warnings.warn(
-            f"{path} does not exist: a save replacing it stopped between two renames, so the previous checkpoint,"
-            f" kept at {directory}, is loaded; the next save to {path} moves it back.",
-            stacklevel=2,
-        )
-    return directory
-
-
 class ShardCheck:
     """This rank's share of the shard files (see :func:`.checksums.share`), checked against their
     checksums in a thread while the caller goes on, and the verdict every rank agrees on in :meth:`wait`.
@@ -237,11 +230,21 @@ def _checked(action: Callable[[], None], path: Path) -> CheckpointError | None:
     return None
 
 
-def open_checkpoint(
-    path: Path, ranks: Ranks = ALONE, unpickling: Unpickling = Unpickling.TORCH_DEFAULT
-) -> tuple[dict[str, Any], Metadata, ShardCheck]:
-    """Our metadata file and DCP's, once the small files are checked, every shard file is present and long enough,
-    and every rank agrees (collective); the shard files' checksums are then being checked (the third value)."""
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint directory once :func:`open_directory` checked it: our metadata (``meta``), DCP's (``metadata``),
+    and the check of the shard files' checksums, still running (``check``)."""
+
+    path: Path
+    meta: dict[str, Any]
+    metadata: Metadata
+    check: ShardCheck
+    unpickling: Unpickling  # what its pickled entries may import
+
+
+def open_directory(path: Path, ranks: Ranks = ALONE, unpickling: Unpickling = Unpickling.TORCH_DEFAULT) -> Opened:
+    """The checkpoint directory at ``path``, once the small files are checked, every shard file is present and long
+    enough, and every rank agrees (collective); the shard files' checksums are then being checked."""
     found: list[Any] = []
 
     def read() -> None:
@@ -250,7 +253,7 @@ def open_checkpoint(
 
     ranks.agree(_checked(read, path))
     meta, metadata, record = found
-    return meta, metadata, ShardCheck(path, record, ranks)
+    return Opened(path, meta, metadata, ShardCheck(path, record, ranks), unpickling)
 
 
 def read_meta(
@@ -258,9 +261,9 @@ def read_meta(
 ) -> tuple[dict[str, Any], Metadata]:
     """Our metadata file and DCP's, after checking that every file of the checkpoint is present and, where the
     checkpoint records checksums, unchanged since it was written. Every rank raises the same error, or none does."""
-    meta, metadata, check = open_checkpoint(path, ranks, unpickling)
-    check.wait()
-    return meta, metadata
+    opened = open_directory(path, ranks, unpickling)
+    opened.check.wait()
+    return opened.meta, opened.metadata
 
 
 def _read_small_files(
@@ -268,15 +271,20 @@ def _read_small_files(
 ) -> tuple[dict[str, Any], Metadata, Record | None]:
     if not path.is_dir():
         raise CheckpointError(f"Checkpoint directory {path} does not exist.")
-    roles = {DCP_METADATA: "DCP's index of every entry", META_FILE: "the rest of Lightning's checkpoint"}
-    for name, role in roles.items():
+    for name, role in _SMALL_FILES.items():
         if not os.path.lexists(path / name):
             raise CheckpointError(
                 f"{path} is not a complete lightning_zero checkpoint: it lacks `{name}` ({role}). HINT: copy the"
                 " whole checkpoint directory; a checkpoint this release wrote is complete wherever its path exists."
             )
-    record = Record.read(path)
-    contents = {name: _read_small_file(path, name, role, record) for name, role in roles.items()}
+    with ExitStack() as opened:
+        # containment: each a regular file directly inside the directory, opened once (the file checked is the file
+        # read); then the record; then each file's size against it before a byte is read, and its CRC-32
+        record_file = _open_record(path, opened)
+        files = {name: opened.enter_context(open_file(path, name, role)) for name, role in _SMALL_FILES.items()}
+        record = None if record_file is None else Record.parse(path, record_file.read())
+        read = (lambda name, file: file.read()) if record is None else partial(record.read_opened, path)
+        contents = {name: read(name, file) for name, file in files.items()}
     metadata = read_dcp_metadata(contents[DCP_METADATA], path / DCP_METADATA)
     meta = load_torch_file(contents[META_FILE], f"file {path / META_FILE}", unpickling)
     if not isinstance(meta, dict) or not {"checkpoint", "param_groups", "sharded"} <= meta.keys():
@@ -294,12 +302,13 @@ def _read_small_files(
     return meta, metadata, record
 
 
-def _read_small_file(path: Path, name: str, role: str, record: Record | None) -> bytes:
-    """The bytes of ``.metadata`` or ``lightning_zero.pt``, checked against the record where there is one."""
-    if record is not None:
-        return record.read_file(path, name, role)
-    with open_file(path, name, role) as file:
-        return file.read()
+def _open_record(path: Path, opened: ExitStack) -> BinaryIO | None:
+    """The record of the checkpoint at ``path``, opened as :mod:`.containment` allows and closed with ``opened``;
+    ``None`` where there is none (a checkpoint of format 1)."""
+    try:
+        return opened.enter_context(open_file(path, CHECKSUM_FILE, "the record of every file's checksum"))
+    except FileNotFoundError:
+        return None
 
 
 def _check_layout(path: Path, metadata: Metadata, record: Record | None) -> None:
@@ -372,27 +381,41 @@ def check_compatible(target: dict[str, Any], metadata: Metadata, path: Path) -> 
 
 
 def load(
-    target: dict[str, Any],
-    path: Path,
-    metadata: Metadata,
-    unpickling: Unpickling,
-    *,
-    no_dist: bool = False,
-    progress: bool = False,
+    target: dict[str, Any], opened: Opened, *, no_dist: bool = False, progress: bool = False, verb: str = "loading"
 ) -> None:
-    """Fill ``target`` (tensors and DTensors laid out for this run) in place from the checkpoint at ``path``, whose
-    ``metadata`` :func:`open_checkpoint` or :func:`read_meta` returned; non-tensor entries load under ``unpickling``.
-    ``progress``: draw a bar of this rank's bytes on a terminal while they load."""
+    """Fill ``target`` (tensors and DTensors laid out for this run, ``None`` for a pickled entry) in place from the
+    checkpoint ``opened``; non-tensor entries load as its unpickling allows. ``progress``: draw a bar of this rank's
+    bytes on a terminal while they load, named ``verb``."""
+    path = opened.path
     total = sum(_local_nbytes(value) for value in target.values() if isinstance(value, torch.Tensor))
     try:
-        with _progress.progress(total, f"loading {path.name}", shown=progress) as advance:
-            reader, planner = VerifiedReader(path, metadata), RestrictedLoadPlanner(path, unpickling, advance)
+        with _progress.progress(total, f"{verb} {path.name}", shown=progress) as advance:
+            reader = VerifiedReader(path, opened.metadata)
+            planner = RestrictedLoadPlanner(path, opened.unpickling, advance)
             dcp.load(target, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointException as failure:  # DCP gathers every rank's errors; ours say all there is to say
         for error, _ in failure.failures.values():
             if isinstance(error, CheckpointError):
                 raise CheckpointError(str(error)) from None
         raise
+
+
+def read_whole(opened: Opened, wanted: list[str], *, progress: bool = False) -> dict[str, Any]:
+    """The entries ``wanted`` of the checkpoint ``opened``, each tensor assembled whole as it is read, in this process
+    alone, once every shard file passed its check. ``progress``: draw a bar on a terminal while they load."""
+    entries = opened.metadata.state_dict_metadata
+    read = {key: _empty_like(entries[key]) for key in wanted}
+    with opened.check.overlapping(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: the point here
+        load(read, opened, no_dist=True, progress=progress, verb="reading")
+    return read
+
+
+def _empty_like(entry: Any) -> torch.Tensor | None:
+    """Where an entry of ``.metadata`` loads: an empty tensor of its size, or ``None`` for a pickled object."""
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return None
 
 
 def _local_nbytes(tensor: torch.Tensor) -> int:

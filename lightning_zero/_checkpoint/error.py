@@ -1,10 +1,20 @@
-"""The one error every check of a checkpoint raises: what is wrong, with which file, then a HINT."""
+"""The one error every check of a checkpoint raises (what is wrong, with which file, then a HINT), and the kinds a
+reader may catch by name."""
 
 from __future__ import annotations
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be loaded as it is."""
+
+
+class StateNotSaved(CheckpointError):
+    """A load asked a checkpoint for state it was saved without: optimizer state of a weights-only save, or of a
+    DeepSpeed checkpoint without its optimizer files."""
+
+
+class NoCheckpoint(CheckpointError, FileNotFoundError):
+    """Nothing is at the path a load was given."""
 
 
 # The ways out of a refused unpickling, for every file that honours them (see :mod:`.unpickling`).

@@ -29,9 +29,8 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint import directory as ckpt
 from lightning_zero._checkpoint import keys
-from lightning_zero._checkpoint.error import CheckpointError
+from lightning_zero._checkpoint.error import CheckpointError, StateNotSaved
 from lightning_zero._checkpoint.ranks import Ranks
-from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import rows_of
 
 
@@ -78,25 +77,20 @@ def save_directory(checkpoint: dict[str, Any], module: nn.Module, path: Path) ->
 
 
 def load_directory(
-    path: Path,
+    opened: ckpt.Opened,
     module: nn.Module,
     model_state: dict[str, Any],
     optimizers_for: Callable[[dict[str, Any]], list[OptimizerEntries]],
-    weights_only: bool | None,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Load model and optimizer state from a checkpoint directory into the live entries, laid out for this run;
-    return the rest of the Lightning checkpoint. ``model_state``: the module's entries (aliasing its tensors);
-    ``optimizers_for``: the optimizers to load, given that rest (a Fabric checkpoint records their names).
-    ``weights_only`` is the user's, as Lightning passes it on: what the pickled files may import (see
-    :class:`~.unpickling.Unpickling`); ``strict``: whether the module's entries and the checkpoint's must match, as in
-    ``load_state_dict``."""
-    unpickling = Unpickling.from_weights_only(weights_only)
-    ranks = Ranks.of_default_group()
-    meta, metadata, shard_check = ckpt.open_checkpoint(path, ranks, unpickling)
+    """Load model and optimizer state from the checkpoint directory ``opened`` into the live entries, laid out for
+    this run; return the rest of the Lightning checkpoint. ``model_state``: the module's entries (aliasing its
+    tensors); ``optimizers_for``: the optimizers to load, given that rest (a Fabric checkpoint records their names);
+    ``strict``: whether the module's entries and the checkpoint's must match, as in ``load_state_dict``."""
+    path, meta, metadata = opened.path, opened.meta, opened.metadata
     # The shard files are checked while they load: nothing below runs before the verdict but filling the live
     # tensors, which a damaged checkpoint leaves to be discarded with the error.
-    with shard_check.overlapping():
+    with opened.check.overlapping():
         optimizers = optimizers_for(meta["checkpoint"])
         model_target = {keys.model_key(k): v for k, v in model_state.items()}
         model_target = ckpt.model_entries_to_load(model_target, metadata, path, _class_name(module), strict)
@@ -105,7 +99,7 @@ def load_directory(
         for target in targets:
             flat.update(target)
         ckpt.check_compatible(flat, metadata, path)
-        ckpt.load(flat, path, metadata, unpickling, progress=ranks.rank == 0)  # a bar on rank 0's terminal
+        ckpt.load(flat, opened, progress=opened.check.ranks.rank == 0)  # a bar on rank 0's terminal
     for index, (entries, target) in enumerate(zip(optimizers, targets, strict=True)):
         groups = meta["param_groups"][index]
         entries.optimizer.load_state_dict(_indexed_state(index, entries.optimizer, module, target, groups, path))
@@ -125,7 +119,7 @@ def _optimizer_target(
     tensors = entries.tensors
     sharded = meta["sharded"].get(index, {})
     if index not in meta["param_groups"]:
-        raise CheckpointError(
+        raise StateNotSaved(
             f"Checkpoint {path} holds no state for optimizer {index}. HINT: it was saved with fewer optimizers, or"
             " with `save_weights_only=True`; load it with `strict=False` loading or from a full checkpoint."
         )

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero._checkpoint.directory import Opened
 from lightning_zero._checkpoint.live import (
     load_directory,
     load_full_optimizer_state,
@@ -99,20 +100,16 @@ class Checkpointed:
 
     @outside_inference_mode()
     def load_directory(
-        self,
-        path: Path,
-        optimizers_for: Callable[[dict[str, Any]], list[Optimizer]],
-        weights_only: bool | None,
-        strict: bool = True,
+        self, opened: Opened, optimizers_for: Callable[[dict[str, Any]], list[Optimizer]], strict: bool = True
     ) -> dict[str, Any]:
-        """Load a checkpoint directory into the live modules and the optimizers ``optimizers_for`` names, given what
-        the checkpoint holds beyond the states (none when not fitting); return that. ``weights_only``: the user's,
-        what its pickled files may import; ``strict``: as in ``load_state_dict``."""
+        """Load the checkpoint directory ``opened`` into the live modules and the optimizers ``optimizers_for`` names,
+        given what the checkpoint holds beyond the states (none when not fitting); return that. ``strict``: as in
+        ``load_state_dict``."""
 
         def entries_for(saved: dict[str, Any]) -> list[Any]:
             return [self._mode_of(o).optimizer_entries(o) for o in optimizers_for(saved)]
 
-        rest = load_directory(path, self.named_like, self.module_state(), entries_for, weights_only, strict)
+        rest = load_directory(opened, self.named_like, self.module_state(), entries_for, strict)
         for trained in self.modules.values():
             trained.mode.after_load()
         return rest

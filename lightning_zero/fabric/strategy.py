@@ -27,19 +27,16 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
-from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
-from lightning_zero._checkpoint.directory import readable_directory
-from lightning_zero._checkpoint.error import CheckpointError
+from lightning_zero._checkpoint.ranks import Ranks
+from lightning_zero._checkpoint.source import Live, Source, open_checkpoint
 from lightning_zero._checkpoint.unpickling import Unpickling
-from lightning_zero._checkpoint.whole import check_file, gathered_checkpoint, write_file
+from lightning_zero._checkpoint.whole import gathered_checkpoint, write_file
 from lightning_zero._config import Stage, StateDictType, ZeroConfig
 from lightning_zero._core import Mode, PlainMode
 from lightning_zero._core.checkpointed import Checkpointed, Trained
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._core.optimizers import as_set_up
 from lightning_zero._lightning_private import load_file, set_up_together
-from lightning_zero.consolidate import whole_checkpoint
 from lightning_zero.fabric.launcher import ScriptLauncher
 from lightning_zero.fabric.precision import zero_aware
 from lightning_zero.fabric.state import FabricState, as_saved, raw_module_state, without_records
@@ -265,18 +262,17 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         file into the objects of ``state``, in place; return what the checkpoint holds beyond them. As under Fabric's
         ``"ddp"``, ``state`` may also be a module or an optimizer (``fabric.load_raw``: a file of its state dict
         alone), or nothing: the whole checkpoint is returned, a directory's tensors whole."""
-        source = self._checkpoint_path(path)
-        directory = readable_directory(source)
+        source = open_checkpoint(
+            self._checkpoint_path(path),
+            ranks=Ranks.of_default_group(),
+            unpickling=Unpickling.from_weights_only(weights_only),
+            read_file=lambda file: load_file(self.checkpoint_io.load_checkpoint, file, weights_only),
+        )
         if isinstance(state, (nn.Module, Optimizer)):
-            self._load_raw(source, directory, state, strict, weights_only)
+            self._load_raw(source, state, strict)
             return {}
         if not state:  # the checkpoint as saved, less the record of its sharded entries, meant for this loader alone
-            if directory is None:
-                return without_records(self._read_file(source, weights_only))
-            reading = whole_checkpoint(  # rank 0 draws the bar, on a terminal only
-                directory, Unpickling.from_weights_only(weights_only), progress=self.global_rank == 0
-            )
-            return without_records(as_saved(reading))
+            return without_records(as_saved(source.whole(progress=self.global_rank == 0)))  # a bar on a terminal
         parts = FabricState.of(state)
         if not parts.modules:
             raise TypeError(
@@ -284,19 +280,20 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 " HINT: pass the module set up with `fabric.setup` in `state` too."
             )
         checkpointed = self._checkpointed(state, parts)
-        if directory is not None and is_deepspeed_checkpoint(directory):
-            checkpoint = self._read_deepspeed(directory, state, parts, strict, weights_only)
-            self._load_file_states(state, parts, checkpointed, checkpoint, strict, directory)
-        elif directory is not None:
 
-            def saved_optimizers(saved: dict[str, Any]) -> list[Optimizer]:
-                return [state[k] for k in parts.saved_optimizer_order(saved, directory)]
+        def take_whole(checkpoint: dict[str, Any]) -> dict[str, Any]:
+            saved = as_saved(checkpoint)
+            self._load_file_states(state, parts, checkpointed, saved, strict, source.path)
+            return saved
 
-            checkpoint = checkpointed.load_directory(directory, saved_optimizers, weights_only, strict)
-        else:
-            checkpoint = as_saved(self._read_file(source, weights_only))
-            self._load_file_states(state, parts, checkpointed, checkpoint, strict, source)
-        return parts.restore_rest(state, checkpoint, strict)
+        live = Live(
+            modules={key: state[key] for key in parts.modules},
+            optimizers_for=lambda saved: [state[k] for k in parts.saved_optimizer_order(saved, source.path)],
+            in_place=checkpointed,
+            take_whole=take_whole,
+            strict=strict,
+        )
+        return parts.restore_rest(state, source.restore(live), strict)
 
     def _checkpointed(self, state: dict[str, Any], parts: FabricState) -> Checkpointed:
         """The modules of ``state`` with the modes that train them; a module not set up is saved and loaded whole,
@@ -307,18 +304,6 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             trained = self._trained_of(module)
             modules[key] = trained if trained is not None else Trained(module, PlainMode(self.config, self.placement))
         return Checkpointed(modules, lambda optimizer: self._trained_with(optimizer).mode)
-
-    def _read_deepspeed(
-        self, directory: Path, state: dict[str, Any], parts: FabricState, strict: bool, weights_only: bool | None
-    ) -> dict[str, Any]:
-        """A DeepSpeed checkpoint as the ordinary checkpoint it amounts to, for the one module it trained."""
-        if len(parts.modules) != 1:
-            raise CheckpointError(
-                f"{directory} is a DeepSpeed checkpoint, of one engine's module, and `state` holds {parts.modules}."
-                " HINT: load it into the one module it was saved from."
-            )
-        deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
-        return deepspeed.checkpoint_for(state[parts.modules[0]], [state[k] for k in parts.optimizers], strict)
 
     def _load_file_states(
         self,
@@ -337,31 +322,13 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         for key, optimizer_state in parts.pop_optimizer_states(checkpoint).items():
             checkpointed.load_optimizer_state(state[key], optimizer_state, records.get(key))
 
-    def _load_raw(
-        self,
-        source: Path,
-        directory: Path | None,
-        target: nn.Module | Optimizer,
-        strict: bool,
-        weights_only: bool | None,
-    ) -> None:
+    def _load_raw(self, source: Source, target: nn.Module | Optimizer, strict: bool) -> None:
         """``fabric.load_raw``: a file of ``target``'s whole state dict, of which each rank keeps what it holds."""
-        if directory is not None:
-            raise CheckpointError(
-                f"{source} is a checkpoint directory, and `fabric.load_raw` reads a file of one state dict."
-                " HINT: load it with `fabric.load(path, {'model': model, ...})`, or consolidate it into one file first"
-                " (`python -m lightning_zero consolidate DIR FILE`)."
-            )
-        contents = self._read_file(source, weights_only)
+        contents = source.raw()
         if isinstance(target, nn.Module):
             self.load_module_state_dict(target, raw_module_state(contents), strict)
         else:
             self._alone(self._trained_with(target).module).load_optimizer_state(target, contents)
-
-    def _read_file(self, source: Path, weights_only: bool | None) -> Any:
-        """An ordinary checkpoint file, once its bytes match the checksums it recorded."""
-        check_file(source)
-        return load_file(self.checkpoint_io.load_checkpoint, source, weights_only)
 
     def _mode_of(self, module: nn.Module) -> Mode:
         trained = self._trained_of(module)

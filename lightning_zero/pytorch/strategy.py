@@ -30,15 +30,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._checkpoint import publish
-from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
-from lightning_zero._checkpoint.deepspeed_files import is_deepspeed_checkpoint
-from lightning_zero._checkpoint.directory import readable_directory
 from lightning_zero._checkpoint.error import CheckpointError
 from lightning_zero._checkpoint.keys import SHARDED_KEYS
 from lightning_zero._checkpoint.location import local_path
+from lightning_zero._checkpoint.ranks import Ranks
+from lightning_zero._checkpoint.source import Live, open_checkpoint
 from lightning_zero._checkpoint.unpickling import Unpickling
 from lightning_zero._checkpoint.whole import (
-    check_file,
     gathered,
     parameter_shapes,
     whole_optimizer_state,
@@ -427,19 +425,25 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         """A checkpoint directory loads straight into the live shards; an ordinary file loads as Lightning does, and
         a DeepSpeed checkpoint as the ordinary file it amounts to (whole tensors on every rank)."""
         path = resumable(self._checkpoint_path(checkpoint_path), self.is_global_zero)
-        directory = readable_directory(path)
-        if directory is None:
-            check_file(path)
-            return load_file(super().load_checkpoint, path, weights_only)
+        read_as_lightning = super().load_checkpoint
+        source = open_checkpoint(
+            path,
+            ranks=Ranks.of_default_group(),
+            unpickling=Unpickling.from_weights_only(weights_only),
+            read_file=lambda file: load_file(read_as_lightning, file, weights_only),
+        )
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
-        # loaded in place, so the keys are checked here, as Lightning's `load_model_state_dict` would check them
-        strict = self.lightning_module.strict_loading
-        if is_deepspeed_checkpoint(directory):
-            deepspeed = read_deepspeed_checkpoint(directory, Unpickling.from_weights_only(weights_only))
-            return deepspeed.checkpoint_for(self.lightning_module, optimizers, strict)
-        return self._checkpointed().load_directory(directory, lambda _: optimizers, weights_only, strict)
+        live = Live(
+            modules={"model": self.lightning_module},
+            optimizers_for=lambda _: optimizers,
+            in_place=self._checkpointed(),
+            take_whole=lambda whole: whole,  # Lightning's loader loads it, through `load_model_state_dict`
+            # loaded in place, so the keys are checked here, as Lightning's `load_model_state_dict` would check them
+            strict=self.lightning_module.strict_loading,
+        )
+        return source.restore(live)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
