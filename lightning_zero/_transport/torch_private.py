@@ -24,6 +24,8 @@ when a torch release moves it.
   none has nothing to release.
 - the default process group's store (:func:`default_store`), where ranks tell each other why they failed; a torch
   that does not expose it gets ``None``, and errors then do not name the other ranks' causes.
+- the process groups that exist (:func:`process_groups`), whose collectives the stall watchdog releases; a torch that
+  keeps no such map gives the default group alone.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import Store
+from torch.distributed import ProcessGroup, Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -208,6 +210,16 @@ def default_store() -> Store | None:
         return None
 
 
+def process_groups() -> list[ProcessGroup]:
+    """Every process group of this process that c10d keeps (the default one first)."""
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    known = getattr(dist.distributed_c10d, "_world", None)
+    others = list(getattr(known, "pg_map", {}).keys())
+    return [world, *(group for group in others if group is not world)]
+
+
 __all__ = [
     "CUSTOM_COLLECTIVES",
     "AllGather",
@@ -218,6 +230,7 @@ __all__ = [
     "has_run_forward",
     "move_shard",
     "padded_shard",
+    "process_groups",
     "registered",
     "release_mesh_groups",
     "reset_after_failure",
