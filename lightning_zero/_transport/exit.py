@@ -34,7 +34,7 @@ def _close_process_group() -> None:
     _drop_last_exception()
     # a rank that ends normally waits for its peers' ends: one still blocked in a collective it will never enter, or
     # stopped, fails this one too (the watchdog's verdict, printed), within `stall_after`
-    stalled = not failed and watchdog.wait_for_peers_at_exit() is not None
+    stalled = watchdog.at_exit(failed) is not None and not failed
     watchdog.stop()
     shared_memory.close_all(failed or stalled)
     if dist.is_available() and dist.is_initialized():

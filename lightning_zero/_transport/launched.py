@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 GRACE_SECONDS = 5.0
 _STARTED: list[list[subprocess.Popen]] = []  # the launchers' lists of the processes they started, filled as they do
@@ -51,11 +52,21 @@ def end_started_ranks() -> None:
         if not running:
             return
         for proc in running:
-            if ending is not None:
+            if _stopped(proc):  # it would neither end nor act on SIGTERM until continued
+                proc.kill()
+            elif ending is not None:
                 proc.send_signal(ending)
         deadline = time.monotonic() + GRACE_SECONDS
         while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP, a debugger), where ``/proc`` says."""
+    try:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def wait_for_started_ranks(failing: bool = False) -> None:

@@ -242,10 +242,11 @@ def note_verdict(error: BaseException) -> None:
         failures.add_note(error, f"lightning_zero: {type(found).__name__}: {found}")
 
 
-def wait_for_peers_at_exit() -> labels.DivergedError | peers.PeerError | None:
-    """At exit, before the process group goes: wait until every rank has reached its exit, or a round's verdict (a
-    peer still blocked in a collective this rank will never enter, one that stopped). The store lives in rank 0's
-    process, so rank 0 must not leave before the others can still ask."""
+def at_exit(failed: bool) -> labels.DivergedError | peers.PeerError | None:
+    """At exit, before the process group goes: count this rank among those that reached their exit and, unless it
+    ``failed`` (its peers hear of that through :mod:`.failures`), wait until every rank has, or a verdict (a peer still
+    blocked in a collective this rank will never enter, one that stopped). The store lives in rank 0's process, so
+    rank 0 must not leave while the others may still ask."""
     store = default_store()
     if _WATCHDOG is None or store is None:
         return None
@@ -253,7 +254,7 @@ def wait_for_peers_at_exit() -> labels.DivergedError | peers.PeerError | None:
     with contextlib.suppress(Exception):  # the store is gone: rank 0 exited
         store.add(f"{_KEY}/exited", 1)
         size = dist.get_world_size()
-        while _WATCHDOG.verdict is None and store.add(f"{_KEY}/exited", 0) < size:
+        while not failed and _WATCHDOG.verdict is None and store.add(f"{_KEY}/exited", 0) < size:
             time.sleep(0.1)
     return _WATCHDOG.verdict
 
