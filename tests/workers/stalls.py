@@ -4,7 +4,9 @@ stall watchdog must end on every rank within the strategy's ``stall_after``.
 ``python -m tests.workers.stalls OUT``, the payload in ``OUT`` holding ``case`` and ``stall_after``:
 
 - ``"fabric_branch"``: a Fabric loop under stage 3 whose forward runs one unit on rank 0 only;
-- ``"rank1_stops"``: a Trainer under stage 2 whose rank 1 stops itself (SIGSTOP) at its third step.
+- ``"rank1_stops"``: a Trainer under stage 2 whose rank 1 stops itself (SIGSTOP) at its third step;
+- ``"nccl_rank1_stops"``: the same under stage 3 on 2 GPUs (NCCL), rank 0 meeting the others in a barrier after each
+  step (NCCL's collectives do not block the host; its barrier does).
 
 Started without a rank in its environment, it is the job Lightning's launcher makes of ``devices=2``: rank 0 starts
 rank 1.
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -77,15 +79,29 @@ class Stopping(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class StoppingOnGPU(Stopping):
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.trainer.strategy.barrier()
+
+
 def rank1_stops(stall_after: float) -> None:
     strategy = ZeroStrategy(stage=2, stall_after=stall_after, timeout=timedelta(seconds=20))
     data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=2)
     cpu_trainer(strategy, max_steps=6).fit(Stopping(), data)
 
 
+def nccl_rank1_stops(stall_after: float) -> None:
+    strategy = ZeroStrategy(stage=3, stall_after=stall_after, timeout=timedelta(seconds=120))
+    data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=2)
+    trainer = Trainer(accelerator="gpu", devices=2, strategy=strategy, max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(StoppingOnGPU(), data)
+
+
 def main(out: Path) -> None:
     payload = read_payload(out)
-    {"fabric_branch": fabric_branch, "rank1_stops": rank1_stops}[payload["case"]](payload["stall_after"])
+    cases = {"fabric_branch": fabric_branch, "rank1_stops": rank1_stops, "nccl_rank1_stops": nccl_rank1_stops}
+    cases[payload["case"]](payload["stall_after"])
 
 
 if __name__ == "__main__":
