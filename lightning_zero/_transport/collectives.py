@@ -89,7 +89,7 @@ def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
         with peers.naming_peers("exchange over gloo", group):
             yield
     except peers.PeerError as error:
-        found = watchdog.check_now()
+        found = watchdog.check_now(ask=not peers.connection_lost(error))
         if found is not None:
             raise found from error
         raise

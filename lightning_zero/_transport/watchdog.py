@@ -119,6 +119,15 @@ class Watchdog:
         with contextlib.suppress(Exception):  # the store is gone (rank 0 exited): nothing to coordinate
             self._round(store.add(f"{_KEY}/asked", 1))
 
+    def adopt(self) -> None:
+        """Take the job's verdict, if a rank wrote one."""
+        store = default_store()
+        if store is None:
+            return
+        with self._lock, contextlib.suppress(Exception):  # the store is gone
+            if self.verdict is None and store.check([_VERDICT]):
+                self._reach(json.loads(store.get(_VERDICT).decode()))
+
     def _round(self, number: int) -> None:
         """Answer round ``number``, collect every answer, and take the verdict: the first any round reached (one key
         for the whole job, so every rank raises the same error whichever round it collected)."""
@@ -224,12 +233,15 @@ def verdict() -> labels.DivergedError | peers.PeerError | None:
     return None if _WATCHDOG is None else _WATCHDOG.verdict
 
 
-def check_now() -> labels.DivergedError | peers.PeerError | None:
-    """After one of this package's collectives failed (a peer's connection closed: it may have gone elsewhere): ask
-    every rank at once; the verdict, if the round reached one."""
+def check_now(ask: bool) -> labels.DivergedError | peers.PeerError | None:
+    """After one of this package's collectives failed: the job's verdict if a rank reached one already (a peer that
+    released its connections wrote it first); else, where ``ask`` (the failure is not a lost connection: a peer may
+    have gone elsewhere), a round asked at once, and its verdict."""
     if _WATCHDOG is None:
         return None
     if _WATCHDOG.verdict is None:
+        _WATCHDOG.adopt()
+    if _WATCHDOG.verdict is None and ask:
         _WATCHDOG.ask()
     return _WATCHDOG.verdict
 
