@@ -10,7 +10,8 @@ Words used below:
   second): *waiting* in this package's collectives, in *torch*'s (a frame of ``torch/distributed``: Lightning's
   barriers and broadcasts, ``fully_shard``'s own collectives), *left* (its script ended: it waits for its peers at
   exit), or *busy* (anywhere else: computing, reading data, writing a file).
-- *still*: how long the main thread has stayed in the same frame call, as the watchdog measured it.
+- *still*: how long the main thread has stayed in the same frame call, entering no labelled point meanwhile, as the
+  watchdog measured it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _TORCH_DISTRIBUTED = str(Path(torch.__file__).parent / "distributed")
 
 BEFORE_ANY = labels.label("its start: no collective of lightning_zero yet")
 _entered = BEFORE_ANY
+_count = 0  # points entered so far: a main thread whose frame looks unchanged but that entered one has moved on
 _left = False  # the script ended: the exit hook waits for the peers
 
 
@@ -43,8 +45,9 @@ class Place(enum.Enum):
 
 def entered(label: int) -> None:
     """This rank starts the collective or reaches the meeting point ``label`` says."""
-    global _entered
+    global _entered, _count
     _entered = label
+    _count += 1
 
 
 def leaving() -> None:
@@ -55,8 +58,9 @@ def leaving() -> None:
 
 @dataclass(frozen=True)
 class Sample:
-    """One look at the main thread: its innermost frame (by identity, code and line: the same call if unchanged) and
-    where that is."""
+    """One look at the main thread: its innermost frame call (by identity and code, and the count of points entered:
+    the same call, still waiting, if unchanged; a call repeated at the same address counts as another through the
+    collectives it enters) and where that is."""
 
     frame_key: tuple[int, int, int]
     place: Place
@@ -69,9 +73,10 @@ def sample() -> Sample | None:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return None
-    key = (id(frame), id(frame.f_code), frame.f_lineno)
+    key = (id(frame), id(frame.f_code), _count)
     file = frame.f_code.co_filename
     if _left:
+        key = (0, 0, -1)  # the exit's wait, polling the store, stays one wait
         place = Place.LEFT
     elif file.startswith(_TRANSPORT):
         place = Place.WAITING
