@@ -268,6 +268,8 @@ def at_exit(failed: bool) -> labels.DivergedError | peers.PeerError | None:
         size = dist.get_world_size()
         while not failed and _WATCHDOG.verdict is None and store.add(f"{_KEY}/exited", 0) < size:
             time.sleep(0.1)
+    if not failed:  # a peer that reached the verdict may have counted itself before this rank's thread looked
+        _WATCHDOG.adopt()
     return _WATCHDOG.verdict
 
 
