@@ -92,7 +92,7 @@ def test_a_unit_run_on_one_rank_fails_every_rank_under_fabric(tmp_path: Path) ->
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
     """Lightning's own launcher (``devices=2`` in a plain ``python``): rank 1 stops itself (SIGSTOP) mid-training,
     with the strategy's ``timeout`` at 20 s. Rank 0 names it within ``stall_after``, then ends the rank it started
-    (SIGTERM, SIGKILL: it is stopped) rather than wait for it, and the job exits 1 within a minute of the stop."""
+    (SIGKILL at once: it is stopped) rather than wait for it, and the job fails within a minute of the stop."""
     write_payload(tmp_path, case="rank1_stops", stall_after=STALL_AFTER)
     job = subprocess.Popen(
         [sys.executable, "-m", "tests.workers.stalls", str(tmp_path)],
@@ -106,10 +106,13 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
         _, stderr = job.communicate(timeout=240)
     finally:
         job.kill()
-    assert job.returncode == 1, stderr[-3000:]
+    # 1, or SIGKILL: once the ended rank is seen failed, Lightning's own observer of the ranks it started kills the
+    # launching process, which may happen before the exit hook's last line
+    assert job.returncode in (1, -signal.SIGKILL), stderr[-3000:]
     assert "stall watchdog on rank 0 gave up: rank 1 did not answer within 5 s" in stderr, stderr[-3000:]
     assert "rank 0: a reduce-scatter (waiting in it for" in stderr or "rank 0: an all-reduce" in stderr, stderr[-3000:]
-    assert "lightning_zero: rank 1 (exit code -9), started by this process (rank 0), failed" in stderr
+    if job.returncode == 1:
+        assert "lightning_zero: rank 1 (exit code -9), started by this process (rank 0), failed" in stderr
     assert max(waited(stderr)) <= ASKED_WITHIN
 
 
