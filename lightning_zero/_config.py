@@ -115,6 +115,12 @@ class ZeroConfig:
     it proves that the sharded code paths run on the device and its backend (NCCL on a GPU), not the communication
     between several ranks."""
 
+    stall_after: float = 60.0
+    """Seconds a collective may wait for its peers before every rank is asked what it is doing: ranks that run
+    different code, or a peer that stopped, then fail on every rank with an error naming each rank's activity, on every
+    transport (see :mod:`lightning_zero._transport.watchdog`), instead of after the process group's ``timeout`` (30
+    minutes). A peer that is only slower (busy outside collectives) is waited for."""
+
     deepspeed_optimization: DeepSpeedOptimization | None = None
     """Not an option of its own: the ``optimizer`` and ``scheduler`` sections of a ``deepspeed_config``, which the
     Trainer builds in place of what ``configure_optimizers`` returns (see :mod:`lightning_zero._deepspeed_optim`)."""
@@ -204,6 +210,13 @@ class ZeroConfig:
                 f"`shard_group_size={group_size!r}` is not a group size. HINT: pass a positive number of ranks that"
                 " divides the number of ranks, 'node' for one shard group per node, or None to shard across all."
             )
+        stall_after = given["stall_after"]
+        if isinstance(stall_after, bool) or not isinstance(stall_after, (int, float)) or not 0 < stall_after < math.inf:
+            raise ValueError(
+                f"`stall_after={stall_after!r}` must be a finite, positive number of seconds. HINT: the default, 60,"
+                " suits most jobs; raise it where one rank legitimately works alone for longer (a large checkpoint"
+                " written by rank 0) while the others wait."
+            )
         dtype = _resolve_dtype(given["reduce_dtype"])
         if dtype is not None and stage == Stage.OPTIMIZER:
             raise ValueError(
@@ -239,6 +252,7 @@ class ZeroConfig:
             prefetch_units=given["prefetch_units"],
             shard_group_size=group_size,
             state_dict_type=StateDictType(state_dict_type),
+            stall_after=float(stall_after),
             deepspeed_optimization=given["deepspeed_optimization"],
         )
 

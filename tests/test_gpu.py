@@ -10,6 +10,7 @@ precision keeps fp32 weights and optimizer state, so the same bound holds for it
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero import Zero1Strategy, Zero2Strategy, Zero3Strategy
 from lightning_zero.memory import engine_of
+from tests.launch import start, write_payload
 from tests.oracle import MASTER_WEIGHTS, close
 from tests.workers.modules import Classifier
 from tests.workers.offload_memory import bytes_in_files, local
@@ -186,3 +188,24 @@ def test_process_group_without_host_backend_is_refused() -> None:
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="zero2_offload", max_steps=1, logger=False)
     with pytest.raises(RuntimeError, match="has no CPU backend"):
         trainer.fit(Classifier())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between 2 ranks needs 2 GPUs")
+def test_a_stopped_rank_is_named_over_nccl(tmp_path: Path) -> None:
+    """Stage 3 on 2 GPUs: rank 1 stops itself (SIGSTOP) at its third step, rank 0 waits in the barrier after it. The
+    stall watchdog names rank 1 within ``stall_after`` (3 s) and the 5 s answer window, aborts NCCL's communicator so
+    that the barrier returns, and rank 0 exits 1 long before the strategy's 120 s timeout."""
+    write_payload(tmp_path, case="nccl_rank1_stops", stall_after=3.0)
+    procs = start("tests.workers.stalls", [str(tmp_path)], 2, logs=tmp_path)
+    try:
+        begun = time.monotonic()
+        procs[0].wait(timeout=240)
+        took = time.monotonic() - begun
+    finally:
+        for proc in procs:
+            proc.kill()  # rank 1 is stopped: only SIGKILL ends it
+            proc.wait()
+    log = (tmp_path / "rank0.log").read_text()
+    assert procs[0].returncode == 1, log[-3000:]
+    assert "stall watchdog on rank 0 gave up: rank 1 did not answer within 5 s" in log, log[-3000:]
+    assert took < 120, log[-3000:]

@@ -24,6 +24,7 @@ from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
+from lightning_zero._transport import watchdog
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 
@@ -110,6 +111,7 @@ class ZeroFrontEnd:
             )
         super().setup_environment()  # type: ignore[misc]
         self.placement.check_process_group(device_type)
+        watchdog.start(self.config.stall_after)
 
     def _set_up_optimizers(
         self, mode: Mode, module: nn.Module, optimizers: list[Optimizer], plugin: Any

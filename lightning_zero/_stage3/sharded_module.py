@@ -46,8 +46,8 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.placement import Placement
+from lightning_zero._transport import activity, fsdp_comms, labels
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import fsdp_comms, labels
 from lightning_zero._transport.mesh import DataParallelMesh
 from lightning_zero._transport.torch_private import (
     before_own_collectives,
@@ -165,8 +165,10 @@ class ShardedModule:
     def _leave_forward(self, *_: Any) -> None:
         """At the end of the outermost forward of the whole module, every rank meets the others (see the module)."""
         self._forwards -= 1
-        if self._forwards == 0 and self._channel is not None:
-            self._channel.meet(labels.END_OF_FORWARD)
+        if self._forwards == 0:
+            activity.entered(labels.END_OF_FORWARD)
+            if self._channel is not None:
+                self._channel.meet(labels.END_OF_FORWARD)
 
     @contextmanager
     def gradient_sync_disabled(self) -> Generator[None, None, None]:

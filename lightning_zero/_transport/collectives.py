@@ -6,20 +6,22 @@ buffer and keeps a chunk, moving N times the data a reduce-scatter needs, and me
 exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its collectives.
 
 Gloo gives up on a peer after the process group's timeout; this package's errors then name the peers and what to do
-(:mod:`.peers`).
+(:mod:`.peers`). Each collective records what it is for (:mod:`.activity`), so that the stall watchdog
+(:mod:`.watchdog`) can tell the ranks what each was doing long before that timeout; a failure in an exchange asks it
+whether the ranks went different ways, and the error then says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 from lightning_zero._grouping import group_by
-from lightning_zero._transport import labels, peers, shared_memory
+from lightning_zero._transport import activity, labels, peers, shared_memory, watchdog
 from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
@@ -29,6 +31,7 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     TRAFFIC.record("all_reduce", buffer.nbytes, group)
+    activity.entered(labels.ALL_REDUCE)
     with torch.profiler.record_function("lightning_zero::all_reduce_grads"):
         if not _point_to_point(group):
             return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -78,9 +81,18 @@ class Chained:
 Pending = Work | Exchange | Chained | shared_memory.InFlight
 
 
-def _naming_peers(group: ProcessGroup) -> AbstractContextManager[None]:
-    """Gloo's errors in ``group``'s exchanges, posted or awaited, say which peers and what to do."""
-    return peers.naming_peers("exchange over gloo", group)
+@contextmanager
+def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
+    """Gloo's errors in ``group``'s exchanges, posted or awaited, say which peers and what to do; where the ranks
+    went different ways or a peer stopped (the watchdog's verdict), that error instead."""
+    try:
+        with peers.naming_peers("exchange over gloo", group):
+            yield
+    except peers.PeerError as error:
+        found = watchdog.check_now(ask=not peers.connection_lost(error))
+        if found is not None:
+            raise found from error
+        raise
 
 
 def _point_to_point(group: ProcessGroup) -> bool:
@@ -100,6 +112,7 @@ def reduce_scatter_sum(
     """``output`` (one chunk) receives the sum over ranks of this rank's chunk of ``buffer`` (``world_size`` chunks);
     ``label`` says what for (:mod:`.labels`, on shared memory)."""
     TRAFFIC.record("reduce_scatter", buffer.nbytes, group)
+    activity.entered(label)
     with torch.profiler.record_function("lightning_zero::reduce_scatter_grads"):
         if not _point_to_point(group):
             return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -138,6 +151,7 @@ def all_gather(
     """``output`` (``world_size`` chunks) receives every rank's ``chunk`` in rank order; ``label`` says what for
     (:mod:`.labels`, on shared memory)."""
     TRAFFIC.record("all_gather", output.nbytes, group)
+    activity.entered(label)
     with torch.profiler.record_function("lightning_zero::all_gather_params"):
         if not _point_to_point(group):
             return _all_gather(output, chunk, group=group, async_op=True)

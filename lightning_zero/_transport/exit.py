@@ -21,7 +21,7 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_zero._transport import launched, mesh, shared_memory
+from lightning_zero._transport import launched, mesh, shared_memory, watchdog
 from lightning_zero._transport.torch_private import release_mesh_groups
 from lightning_zero._transport.traffic import TRAFFIC
 
@@ -32,11 +32,19 @@ def _close_process_group() -> None:
     then wait for the ranks this process started, if it did (:mod:`.launched`)."""
     failed = getattr(sys, "last_value", None) is not None  # an uncaught exception ends this process
     _drop_last_exception()
-    shared_memory.close_all(failed)
+    # a rank that ends normally waits for its peers' ends: one still blocked in a collective it will never enter, or
+    # stopped, fails this one too (the watchdog's verdict, printed), within `stall_after`
+    stalled = watchdog.at_exit(failed) is not None and not failed
+    watchdog.stop()
+    shared_memory.close_all(failed or stalled)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _release_groups()
-    launched.wait_for_started_ranks()
+    launched.wait_for_started_ranks(failing=failed or stalled)
+    if stalled:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # as in `launched`: an exit hook cannot change the status otherwise
 
 
 def _drop_last_exception() -> None:

@@ -78,10 +78,10 @@ def note_other_failures(error: BaseException) -> None:
     for rank in range(dist.get_world_size()):
         failure = announced(rank) if rank != me else None
         if failure is not None and failure != own:
-            _add_note(error, f"lightning_zero: rank {rank} failed too, with {failure}")
+            add_note(error, f"lightning_zero: rank {rank} failed too, with {failure}")
 
 
-def _add_note(error: BaseException, note: str) -> None:
+def add_note(error: BaseException, note: str) -> None:
     if sys.version_info >= (3, 11):
         error.add_note(note)
     else:  # no notes: the traceback printed later would not show it

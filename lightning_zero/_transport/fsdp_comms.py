@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_zero._transport import activity, labels, shared_memory
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import labels, shared_memory
 from lightning_zero._transport.torch_private import (
     CUSTOM_COLLECTIVES,
     AllGather,
@@ -44,11 +44,14 @@ def install(
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
             module.set_all_reduce_hook(AcrossReplicas(replicas))
-    if dist.get_backend(group) != "gloo" or group.size() == 1:
+    if group.size() == 1:
         return None
     root = fsdp_modules[-1]
     paths = {module: path for path, module in root.named_modules()}
     where = {module: (_class_name(root), paths[module]) for module in fsdp_modules}
+    if dist.get_backend(group) != "gloo":
+        _record_own_collectives(fsdp_modules, where)
+        return None
     if not CUSTOM_COLLECTIVES:
         return _label_own_collectives(fsdp_modules, group, where)
     channel = shared_memory.channel(group)
@@ -81,12 +84,22 @@ def _label_own_collectives(
         module.set_force_sum_reduction_for_comms(True)
     channel = shared_memory.channel(group)
     if channel is None:
+        _record_own_collectives(fsdp_modules, where)
         return None
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
         gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
         before_own_collectives(module, partial(channel.meet, gather), partial(channel.meet, reduce))
     return channel
+
+
+def _record_own_collectives(fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]]) -> None:
+    """Where ``fully_shard`` keeps its own collectives (NCCL; gloo on torch 2.8 without shared memory): each unit's
+    gather and reduction is recorded as it starts, for the stall watchdog (:mod:`.activity`)."""
+    for module in fsdp_modules:
+        assert isinstance(module, FSDPModule)
+        gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
+        before_own_collectives(module, partial(activity.entered, gather), partial(activity.entered, reduce))
 
 
 def _class_name(module: nn.Module) -> str:

@@ -66,7 +66,12 @@ def _unit(module: str, unit: str) -> str:
 
 def diverged(rank: int, doing: dict[int, int]) -> DivergedError:
     """The error of ``rank``, which met its peers at a barrier where ``doing`` (rank -> label, every rank) differ."""
-    what = "; ".join(f"rank {r}: {words(doing[r])}" for r in sorted(doing))
+    return diverged_between(rank, {r: words(code) for r, code in doing.items()})
+
+
+def diverged_between(rank: int, doing: dict[int, str]) -> DivergedError:
+    """The error of ``rank``, which found its peers elsewhere: ``doing`` (rank -> what it was doing, every rank)."""
+    what = "; ".join(f"rank {r}: {doing[r]}" for r in sorted(doing))
     return DivergedError(
         f"The ranks ran different code under ZeRO stage 3 and met in different collectives (seen on rank {rank}):"
         f" {what}. Every rank must run the same units in the same order, since each forward and backward of a unit"

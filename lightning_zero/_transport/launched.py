@@ -6,15 +6,24 @@ failed after this one finished its work (one that generated longer, or raised in
 job with this process's 0 and its outputs lost. So at its exit, once its process groups are closed (a rank still
 waiting for this one in a collective then fails at once, not after the timeout), this process waits for each rank it
 started, as torchrun waits for its workers, and, if one failed, ends with status 1 and a line naming it.
+
+A process that is itself failing does not wait for them without a limit: a rank stopped (SIGSTOP) or hung would keep
+the job alive past its own error. As torchrun's agent does, it gives them :data:`GRACE_SECONDS` to end by themselves
+(a peer blocked in a collective with this process fails as soon as its connections close), then sends SIGTERM, and
+SIGKILL after as long again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+GRACE_SECONDS = 5.0
 _STARTED: list[list[subprocess.Popen]] = []  # the launchers' lists of the processes they started, filled as they do
 
 
@@ -34,9 +43,38 @@ class RecordsStartedRanks:
         started(self.procs)
 
 
-def wait_for_started_ranks() -> None:
-    """At exit, after the process groups are closed: wait for every rank this process started, and end the process
-    with status 1 if one failed (even where this process itself is ending with 0)."""
+def end_started_ranks() -> None:
+    """This process fails: the ranks it started that are still running get a grace period, then SIGTERM, then
+    SIGKILL (which ends a stopped process too)."""
+    procs = [proc for started in _STARTED for proc in started]
+    for ending in (None, signal.SIGTERM, signal.SIGKILL):
+        running = [proc for proc in procs if proc.poll() is None]
+        if not running:
+            return
+        for proc in running:
+            if _stopped(proc):  # it would neither end nor act on SIGTERM until continued
+                proc.kill()
+            elif ending is not None:
+                proc.send_signal(ending)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP, a debugger), where ``/proc`` says."""
+    try:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def wait_for_started_ranks(failing: bool = False) -> None:
+    """At exit, after the process groups are closed: wait for every rank this process started (ending them first if
+    this process is ``failing``), and end the process with status 1 if one failed (even where this process itself is
+    ending with 0)."""
+    if failing:
+        end_started_ranks()
     failed = [
         (rank, code)
         for procs in _STARTED

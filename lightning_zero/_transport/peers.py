@@ -32,6 +32,10 @@ from torch.distributed import ProcessGroup
 _GLOO_TIMED_OUT = re.compile("timed out|timeout", re.IGNORECASE)
 
 
+# how gloo says a peer's connection ended (its process exited or closed it): "Connection closed by peer", "reset"
+_CONNECTION_LOST = re.compile("connection (closed|reset) by peer", re.IGNORECASE)
+
+
 class PeerError(RuntimeError):
     """A collective that cannot complete because a peer rank stalled or exited."""
 
@@ -138,6 +142,11 @@ def naming_peers(where: str, group: ProcessGroup) -> Generator[None, None, None]
         if _GLOO_TIMED_OUT.search(str(error)):
             raise stalled(where, me, ranks(others, one_of=True), group_timeout(group), []) from error
         raise failed(where, me, others, error) from error
+
+
+def connection_lost(error: PeerError) -> bool:
+    """Whether ``error`` is gloo's lost connection to a peer (its process exited, or it closed the connection)."""
+    return error.__cause__ is not None and _CONNECTION_LOST.search(str(error.__cause__)) is not None
 
 
 def ranks(peers: list[int], pids: dict[int, int] | None = None, one_of: bool = False) -> str:

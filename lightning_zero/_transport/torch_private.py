@@ -32,7 +32,9 @@ Beyond ``fully_shard``, checked where used: ``_sync_module_states``, the broadca
 that DDP and FSDP start from; a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`;
 a torch whose meshes hold none has nothing to release); the default process group's store (:func:`default_store`,
 where ranks tell each other why they failed; without it ``None``, and errors then do not name the other ranks'
-causes); the checkpoint wrapper class activation checkpointing puts around a unit (:data:`CheckpointWrapper`).
+causes); the checkpoint wrapper class activation checkpointing puts around a unit (:data:`CheckpointWrapper`);
+the process groups that exist (:func:`process_groups`), whose collectives the stall watchdog releases (a torch that
+keeps no such map gives the default group alone).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import Store
+from torch.distributed import ProcessGroup, Store
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -354,6 +356,16 @@ def check_contract(units: list[FSDPModule]) -> None:
                 )
 
 
+def process_groups() -> list[ProcessGroup]:
+    """Every process group of this process that c10d keeps (the default one first)."""
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    known = getattr(dist.distributed_c10d, "_world", None)
+    others = list(getattr(known, "pg_map", {}).keys())
+    return [world, *(group for group in others if group is not world)]
+
+
 __all__ = [
     "CONTRACT",
     "CUSTOM_COLLECTIVES",
@@ -372,6 +384,7 @@ __all__ = [
     "my_rows",
     "own_collective_callbacks",
     "padded_shard",
+    "process_groups",
     "registered",
     "release_mesh_groups",
     "reset_after_failure",

@@ -48,7 +48,7 @@ from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero._lightning_private import load_file
-from lightning_zero._transport import failures
+from lightning_zero._transport import failures, watchdog
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
 from lightning_zero.pytorch.preemption import DeferredRequeue, resumable
@@ -104,6 +104,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             which ``load_from_checkpoint`` and a plain ``Trainer`` read as they are (``FSDPStrategy``'s option).
         sharded_on_one_device: for testing, run the ZeRO machinery on a single device too (a group of one rank),
             where every stage otherwise trains plainly: it exercises the sharded code paths on that device.
+        stall_after: seconds a collective may wait for its peers before every rank is asked what it is doing: ranks
+            that run different code, or a peer that stopped, then fail on every rank with an error naming each rank's
+            activity, on every transport, long before the process group's ``timeout``.
         deepspeed_config: a DeepSpeed config (the path of its JSON file, or a dict) whose ZeRO settings set the
             options above that are left at their defaults; see :meth:`from_deepspeed_config`. In a LightningCLI
             config: ``init_args: {deepspeed_config: ds_config.json}``.
@@ -133,6 +136,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         shard_group_size: int | Literal["node"] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharded_on_one_device: bool = False,
+        stall_after: float = 60.0,
         deepspeed_config: str | Path | dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -166,6 +170,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             shard_group_size=shard_group_size,
             state_dict_type=state_dict_type,
             sharded_on_one_device=sharded_on_one_device,
+            stall_after=stall_after,
             deepspeed_config=deepspeed_config,
         )
         super().__init__(
@@ -499,6 +504,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
                 stacklevel=2,
             )
         failures.note_other_failures(exception)
+        watchdog.note_verdict(exception)
 
     @classmethod
     @override

@@ -6,7 +6,8 @@ rank, or a plain module whose forward runs one unit on rank 0 only.
 name, synced_gpus)`` run one after the other (``synced_gpus``: ``None`` leaves it out of the ``generate()`` call).
 After each run every rank writes ``OUT/<phase>-<strategy>-<synced>.rank<r>.json``: the token ids it generated, in
 order. A run that raises ends the process with its exception, as a user's script would; with ``rank1_fails_last``
-in the payload, rank 1 raises after the last run, once rank 0 has nothing left to do with it.
+in the payload, rank 1 raises after the last run, once rank 0 has nothing left to do with it; with ``stall_after``,
+the ZeRO strategies get that bound of their stall watchdog.
 
 Started without a rank in its environment, it is the job Lightning's launcher makes of ``Trainer(devices=2)``.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from lightning_zero import ZeroStrategy
 from tests.scenarios import Divergence, cpu_trainer, read_payload
 
 NEW_TOKENS = (2, 7)  # per rank: rank 0 stops generating first
@@ -89,8 +91,11 @@ def prompts(n: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(torch.randint(0, VOCAB, (n, 5), generator=gen)), batch_size=2)
 
 
-def run(phase: Divergence, strategy: str, synced: bool | None) -> list[list[int]]:
+def run(phase: Divergence, name: str, synced: bool | None, stall_after: float | None) -> list[list[int]]:
     seed_everything(0)
+    strategy: Any = name
+    if stall_after is not None and name != "ddp":
+        strategy = ZeroStrategy(stage=int(name.removeprefix("zero")), stall_after=stall_after)
     if phase is Divergence.BRANCH:
         gen = torch.Generator().manual_seed(1)
         data = DataLoader(TensorDataset(torch.randn(8, 8, generator=gen)), batch_size=2)
@@ -110,7 +115,7 @@ def run(phase: Divergence, strategy: str, synced: bool | None) -> list[list[int]
 def main(out: Path) -> None:
     payload = read_payload(out)
     for phase, strategy, synced in payload["runs"]:
-        generated = run(phase, strategy, synced)
+        generated = run(phase, strategy, synced, payload.get("stall_after"))
         rank = torch.distributed.get_rank()
         (out / f"{run_name(phase, strategy, synced)}.rank{rank}.json").write_text(json.dumps(generated))
     if payload.get("rank1_fails_last") and torch.distributed.get_rank() == 1:
