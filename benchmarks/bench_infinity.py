@@ -151,6 +151,7 @@ class Record(pl.Callback):
     def __init__(self, files_dir: Path | None) -> None:
         self.files_dir = files_dir
         self.seconds: list[float] = []
+        self.losses: list[float] = []
         self.measured: dict[str, int] = {}
         self._started = 0.0
 
@@ -160,8 +161,9 @@ class Record(pl.Callback):
     def on_train_batch_start(self, *_: Any) -> None:
         self._started = time.perf_counter()
 
-    def on_train_batch_end(self, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         self.seconds.append(time.perf_counter() - self._started)
+        self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.measured["params"] = sum(p.numel() for p in module.parameters())  # a DTensor's numel is the whole's
@@ -227,7 +229,8 @@ def worker(args: argparse.Namespace) -> None:
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(MODELS[args.model](args.width, args.layers, args.steps))
-    results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, **record.measured}
+    results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, "losses": record.losses}
+    results.update(record.measured)
     results["peak_anonymous"] = anonymous.stop()
     if args.files_dir is not None:
         results["fs_grew"] = results.pop("fs_used") - fs_before
@@ -356,10 +359,14 @@ def files_note(run: Run, directory: Path) -> str:
 
 
 def setup_peaks(runs: list[Run]) -> str:
-    """Each way's peak RSS per rank before its first step: what building and sharding the model took."""
+    """Each way's peak RSS per rank before its first step (what building and sharding the model took), and rank 0's
+    losses."""
     peaks = (" / ".join(sig(r["peak_before_training"] / GIB) for r in run.ranks) for run in runs)
+    losses = (", ".join(sig(loss, 4) for loss in run.ranks[0]["losses"]) for run in runs)
     return "Peak RSS before the first step (model built and sharded), rank 0 / 1 (GiB): " + ", ".join(
         f"{run.way} {peak}" for run, peak in zip(runs, peaks, strict=True)
+    ) + "\nLosses of rank 0, step by step: " + "; ".join(
+        f"{run.way} {loss}" for run, loss in zip(runs, losses, strict=True)
     )
 
 
