@@ -5,7 +5,8 @@ otherwise. Making one needs root.
 :meth:`MemoryGroup.joined` moves the calling process into the group for the duration of a ``with`` block, so that the
 processes it starts there are in it (memory it held before stays charged where it was); afterwards the group's peak
 usage (anonymous memory and page cache) and the OOM killer's kills in it are read, and the group is removed.
-:class:`AnonymousPeak` measures, in any process and without a group, the largest anonymous memory it held.
+:class:`AnonymousPeak` measures, in any process and without a group, the largest anonymous memory it held, and
+:func:`resident_peak` the largest resident memory, exactly, since :func:`reset_resident_peak`.
 """
 
 from __future__ import annotations
@@ -150,3 +151,17 @@ class AnonymousPeak:
         self._stopped.set()
         self._thread.join()
         return max(self.peak, anonymous_bytes())
+
+
+def reset_resident_peak() -> None:
+    """Start this process's resident peak (``VmHWM``) over from its resident memory now (Linux 4.0 on)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def resident_peak() -> int:
+    """This process's largest resident memory (``VmHWM``: anonymous and file pages, as the kernel counts them at every
+    change, so no short peak is missed) since it began or :func:`reset_resident_peak`."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line.")

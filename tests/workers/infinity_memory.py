@@ -1,6 +1,7 @@
 """Runs inside each of 2 processes: trains Lightning's demo Transformer and a residual MLP, each at two depths, under
 ``Zero3Strategy.from_deepspeed_config`` with parameters and optimizer on ``"nvme"``, and records each run's
-anonymous memory at its peak over that as it began (:class:`tests.memory_group.AnonymousPeak`), parameter count,
+anonymous memory at its peak over that as it began (:class:`tests.memory_group.AnonymousPeak`, sampled) and its
+resident memory likewise (``VmHWM``, exact), parameter count,
 losses and seconds, for
 tests/test_infinity_memory.py. Arguments: the output directory, the offload directory, then ``model:width:layers``
 runs."""
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import Zero3Strategy
-from tests.memory_group import AnonymousPeak
+from tests.memory_group import AnonymousPeak, reset_resident_peak, resident_peak
 from tests.scenarios import QUIET, save_results
 
 STEPS = 2
@@ -73,6 +74,8 @@ def main() -> None:
         shape, width, layers = run.split(":")
         module = Trained(shape, int(width), int(layers))
         pl.seed_everything(0, verbose=False)
+        reset_resident_peak()
+        resident = resident_peak()
         peak, started = AnonymousPeak(), time.perf_counter()
         trainer = pl.Trainer(
             accelerator="cpu", devices=2, strategy=Zero3Strategy.from_deepspeed_config(config), max_steps=STEPS,
@@ -81,6 +84,7 @@ def main() -> None:
         trainer.fit(module)
         params = sum(p.numel() for p in module.parameters())
         results.append({"run": run, "params": params, "grew": peak.stop() - peak.start, "losses": module.losses,
+                        "resident_grew": resident_peak() - resident,
                         "seconds": time.perf_counter() - started})  # fmt: skip
         del trainer, module
         gc.collect()  # the next run's peak starts from what this one left
