@@ -1,26 +1,39 @@
 """ZeRO-Infinity on the CPU: host memory per parameter and seconds per step of ``"ddp"``, ``"zero3"``,
 ``"zero3_offload"`` and ``"zero3_infinity"``, then a model whose states are larger than the machine's memory.
 
-Run from the repository root: ``python -m benchmarks.bench_infinity [--width 8192 --layers 4 --steps 3]
-[--ways ddp,zero3,zero3_offload,zero3_infinity] [--offload-dir DIR] [--capacity-layers 26]``.
+Run from the repository root: ``python -m benchmarks.bench_infinity [--model mlp --width 8192 --layers 4 --steps 3]
+[--ways ddp,zero3,zero3_offload,zero3_infinity] [--offload-dir DIR] [--capacity-layers 26] [--memory-limit GIB]``.
 
-A residual MLP of ``--layers`` blocks ``x + relu(Linear(width, width)(x))``, built in ``configure_model`` (stage 3
-builds it without memory and gives each unit its values shard by shard; ``"ddp"`` builds it whole on every rank), is
-trained with ``torch.optim.Adam`` on random rows (4 a rank a step) by 2 CPU processes, each way in a launch of its own
-so that each peak is its own. ``"zero3_infinity"`` is ``Zero3Strategy(offload_parameters="disk", offload_dir=DIR)``:
-parameter shards, gradients and Adam state in memory-mapped files under a fresh directory below ``--offload-dir``
-(the system's temporary directory by default), removed afterwards. Words of the tables:
+``--model mlp``: a residual MLP of ``--layers`` blocks ``x + relu(Linear(width, width)(x))`` (width 8192 by default)
+trained on random rows, 4 a rank a step; ``--model transformer``: Lightning's demo Transformer
+(``lightning.pytorch.demos.transformer.Transformer``: vocabulary 8000, ``--width`` 2048 by default, 16 heads, a
+feed-forward 4 times the width, ``--layers`` encoder and as many decoder layers) trained on random tokens, 2 rows of 16
+a rank a step. Either is built in ``configure_model`` (stage 3 builds it without memory and gives each unit its values
+shard by shard; ``"ddp"`` builds it whole on every rank) and trained with ``torch.optim.Adam`` by 2 CPU processes,
+each way in a launch of its own so that each peak is its own. ``"zero3_infinity"`` is ``Zero3Strategy.
+from_deepspeed_config`` with ``offload_param`` and ``offload_optimizer`` on ``"nvme"``: parameter shards, gradients
+and Adam state in memory-mapped files under a fresh directory below ``--offload-dir`` (the system's temporary
+directory by default), removed afterwards.
+
+``--memory-limit GIB`` runs each launch inside a memory group of its own limited to that many GiB, page cache
+included (cgroup v2 where its memory controller is mounted, v1 otherwise; see ``tests/memory_group.py``), as a
+cluster's job limit would; it needs root, and without it the runs are unlimited and say so. Words of the tables:
 
 - **model states**: fp32 parameters, gradients and Adam's two moments, 16 bytes a parameter, the whole model's;
 - **baseline**: a rank's resident memory after its imports, before the model exists (Python, torch, Lightning);
 - **peak RSS**: a rank's largest resident memory (``ru_maxrss``): file pages count while the process maps them;
+- **anonymous peak**: a rank's largest anonymous memory (``RssAnon``, sampled every 2 ms on a thread): what it holds
+  that no file backs;
+- **group peak**: under ``--memory-limit``, the memory group's largest usage, both ranks' anonymous memory and the
+  page cache they read or dirtied;
 - **host bytes per parameter**: the ranks' peaks less their baselines, summed, over the model's parameters;
 - **largest model (derived)**: the parameters whose bytes at that rate fill the machine's memory, less 2 GiB of
   headroom and the baselines: a line drawn through one point, not a measurement.
 
 ``--capacity-layers N`` then trains ``"zero3_infinity"`` alone at N layers (26 at width 8192: 1.75 B parameters,
-26 GiB of model states). A way other than ``"zero3_infinity"`` whose model states (under ``"ddp"`` one whole copy a
-rank) would not fit the machine's memory is skipped.
+26 GiB of model states). Without a memory limit, a way other than ``"zero3_infinity"`` whose model states (under
+``"ddp"`` one whole copy a rank) would not fit the machine's memory is skipped; within one every way runs, to show
+which the limit kills.
 """
 
 from __future__ import annotations
@@ -38,17 +51,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.demos.transformer import Transformer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import _charts
 from benchmarks._ranks import run_ranks, save_rank_results
 from lightning_zero import Zero3Strategy
+from tests import memory_group
 
 GIB = 2**30
 STATE_BYTES = 16  # fp32 parameter, gradient and two Adam moments
 HEADROOM = 2 * GIB  # of the machine's memory, left to the system in the derived largest model
-ROWS = 4  # a rank's batch
+ROWS = 4  # a rank's batch of the MLP
+TOKENS = (2, 16)  # a rank's batch of the Transformer: rows, tokens a row
+VOCAB = 8000
+WIDTHS = {"mlp": 8192, "transformer": 2048}  # --width by default
 RANKS = 2
 WAYS = ("ddp", "zero3", "zero3_offload", "zero3_infinity")
 HATCHES = {"offload": "//", "infinity": "xx"}  # in the charts, beside each stage's colour
@@ -94,6 +112,38 @@ class ResidualMLP(pl.LightningModule):
         return DataLoader(TensorDataset(rows), batch_size=ROWS)
 
 
+def demo_transformer(width: int, layers: int) -> Transformer:
+    return Transformer(vocab_size=VOCAB, ninp=width, nhead=16, nhid=4 * width, nlayers=layers)
+
+
+class DemoTransformer(pl.LightningModule):
+    """Lightning's demo Transformer, ``layers`` encoder and decoder layers of ``width``, on random tokens."""
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        super().__init__()
+        self.width, self.layers, self.steps = width, layers, steps
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = demo_transformer(self.width, self.layers)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        output = self.model(tokens[:, :-1], tokens[:, 1:])
+        return nn.functional.nll_loss(output, tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        rows, tokens = TOKENS
+        data = torch.randint(0, VOCAB, (rows * self.steps * self.trainer.world_size, tokens + 1))
+        return DataLoader(TensorDataset(data), batch_size=rows)
+
+
+MODELS: dict[str, type[pl.LightningModule]] = {"mlp": ResidualMLP, "transformer": DemoTransformer}
+
+
 class Record(pl.Callback):
     """A rank's peak before training (the model built and sharded), its seconds per training step, and at the end of
     training its parameter count and the offload files."""
@@ -101,6 +151,7 @@ class Record(pl.Callback):
     def __init__(self, files_dir: Path | None) -> None:
         self.files_dir = files_dir
         self.seconds: list[float] = []
+        self.losses: list[float] = []
         self.measured: dict[str, int] = {}
         self._started = 0.0
 
@@ -110,8 +161,9 @@ class Record(pl.Callback):
     def on_train_batch_start(self, *_: Any) -> None:
         self._started = time.perf_counter()
 
-    def on_train_batch_end(self, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         self.seconds.append(time.perf_counter() - self._started)
+        self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.measured["params"] = sum(p.numel() for p in module.parameters())  # a DTensor's numel is the whole's
@@ -158,12 +210,16 @@ def mapped_bytes(directory: Path) -> int:
 
 def strategy(way: str, files_dir: Path | None) -> str | Zero3Strategy:
     if way == "zero3_infinity":
-        return Zero3Strategy(offload_parameters="disk", offload_dir=files_dir)
+        nvme = {"device": "nvme", "nvme_path": str(files_dir)}
+        return Zero3Strategy.from_deepspeed_config(
+            {"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}
+        )
     return way
 
 
 def worker(args: argparse.Namespace) -> None:
     baseline = rss_bytes()  # after the imports, before the model
+    anonymous = memory_group.AnonymousPeak()
     fs_before = filesystem_used(args.files_dir) if args.files_dir is not None else 0
     pl.seed_everything(0, verbose=False)
     record = Record(args.files_dir)
@@ -172,8 +228,10 @@ def worker(args: argparse.Namespace) -> None:
         max_steps=args.steps, callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(ResidualMLP(args.width, args.layers, args.steps))
-    results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, **record.measured}
+    trainer.fit(MODELS[args.model](args.width, args.layers, args.steps))
+    results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, "losses": record.losses}
+    results.update(record.measured)
+    results["peak_anonymous"] = anonymous.stop()
     if args.files_dir is not None:
         results["fs_grew"] = results.pop("fs_used") - fs_before
     save_rank_results(args.out_dir, int(os.environ["RANK"]), results)
@@ -188,6 +246,7 @@ class Run:
 
     way: str
     ranks: list[dict[str, Any]]
+    group_peak: int | None = None  # bytes: under --memory-limit, the memory group's largest usage
 
     @property
     def params(self) -> int:
@@ -215,7 +274,10 @@ def sig(value: float, digits: int = 3) -> str:
     return f"{value:.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
-def parameter_count(width: int, layers: int) -> int:
+def parameter_count(model: str, width: int, layers: int) -> int:
+    if model == "transformer":
+        with torch.device("meta"):
+            return sum(p.numel() for p in demo_transformer(width, layers).parameters())
     return layers * (width * width + width)
 
 
@@ -225,8 +287,22 @@ def state_bytes_held(way: str, params: int) -> int:
 
 
 def launch(way: str, args: argparse.Namespace, layers: int) -> Run | str:
-    """Train under ``way`` on :data:`RANKS` ranks: the :class:`Run`, or a table row saying how it failed."""
-    argv = ["--width", str(args.width), "--layers", str(layers), "--steps", str(args.steps), "--way", way]
+    """Train under ``way`` on :data:`RANKS` ranks, inside a memory group of its own under ``--memory-limit``: the
+    :class:`Run`, or a table row saying how it failed."""
+    if args.memory_limit is None:
+        return launch_ranks(way, args, layers)
+    with memory_group.joined(int(args.memory_limit * GIB)) as group:
+        done = launch_ranks(way, args, layers)
+    if isinstance(done, Run):
+        return Run(done.way, done.ranks, group.peak)
+    if group.oom_kills:
+        return f"| {way} | killed by the OOM killer ({group.oom_kills} kills; group peak {sig(group.peak / GIB)} GiB) |"
+    return done
+
+
+def launch_ranks(way: str, args: argparse.Namespace, layers: int) -> Run | str:
+    argv = ["--model", args.model, "--width", str(args.width), "--layers", str(layers), "--steps", str(args.steps),
+            "--way", way]  # fmt: skip
     try:
         if way != "zero3_infinity":
             return Run(way, run_ranks("benchmarks.bench_infinity", argv, RANKS, timeout=TIMEOUT))
@@ -236,7 +312,7 @@ def launch(way: str, args: argparse.Namespace, layers: int) -> Run | str:
     except (RuntimeError, TimeoutError) as error:  # the launcher's LaunchError is a RuntimeError
         lines = str(error).splitlines()
         cause = next((line for line in reversed(lines) if "Error" in line), lines[0])
-        return f"| {way} | failed: {cause.strip()[:200]} | | | | | |"
+        return f"| {way} | failed: {cause.strip()[:200]} |"
 
 
 def offload_base(args: argparse.Namespace) -> Path:
@@ -248,17 +324,21 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
     """One row a way: a :class:`Run`, or a line saying why it was skipped."""
     lines = [
         "| way | parameters (B) | model states (GiB, 16 B/param) | peak RSS per rank, rank 0 / 1 (GiB)"
-        " | host bytes per parameter at peak | s/step | largest model on this machine (B params, derived) |",
-        "|---|---|---|---|---|---|---|",
+        " | anonymous peak per rank (GiB) | group peak (GiB) | host bytes per parameter at peak | s/step"
+        " | largest model on this machine (B params, derived) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if isinstance(run, str):
             lines.append(run)
             continue
         peaks = " / ".join(f"{r['peak_rss'] / GIB:.2f}" for r in run.ranks)
+        anonymous = " / ".join(f"{r['peak_anonymous'] / GIB:.2f}" for r in run.ranks)
+        group = "-" if run.group_peak is None else f"{run.group_peak / GIB:.2f}"
         lines.append(
             f"| {run.way} | {sig(run.params / 1e9, 4)} | {sig(STATE_BYTES * run.params / GIB)} | {peaks}"
-            f" | {run.per_param:.2f} | {sig(run.step_seconds)} | {sig(run.largest(mem_total) / 1e9)} |"
+            f" | {anonymous} | {group} | {run.per_param:.2f} | {sig(run.step_seconds)}"
+            f" | {sig(run.largest(mem_total) / 1e9)} |"
         )
     return lines
 
@@ -279,10 +359,14 @@ def files_note(run: Run, directory: Path) -> str:
 
 
 def setup_peaks(runs: list[Run]) -> str:
-    """Each way's peak RSS per rank before its first step: what building and sharding the model took."""
+    """Each way's peak RSS per rank before its first step (what building and sharding the model took), and rank 0's
+    losses."""
     peaks = (" / ".join(sig(r["peak_before_training"] / GIB) for r in run.ranks) for run in runs)
+    losses = (", ".join(sig(loss, 4) for loss in run.ranks[0]["losses"]) for run in runs)
     return "Peak RSS before the first step (model built and sharded), rank 0 / 1 (GiB): " + ", ".join(
         f"{run.way} {peak}" for run, peak in zip(runs, peaks, strict=True)
+    ) + "\nLosses of rank 0, step by step: " + "; ".join(
+        f"{run.way} {loss}" for run, loss in zip(runs, losses, strict=True)
     )
 
 
@@ -328,23 +412,32 @@ def chart(runs: list[Run], capacity: Run | None, mem_total: int, args: argparse.
         axes[2].grid(axis="y", alpha=0.3)
     for panel in axes[:2]:
         panel.grid(axis="x", alpha=0.3)
-    figure.suptitle(f"Residual MLP of width {args.width}, Adam, {RANKS} CPU ranks: what stays in host memory")
+    figure.suptitle(f"{model_name(args)}, Adam, {RANKS} CPU ranks: what stays in host memory")
     _charts.save(figure, args.chart, f"{_charts.cpu()} ({RANKS} CPU ranks)")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model == "transformer":
+        return f"Lightning's demo Transformer of width {args.width}"
+    return f"Residual MLP of width {args.width}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--width", type=int, help="8192 for the MLP, 2048 for the Transformer by default")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each run, 2 or more")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--offload-dir", type=Path, help="where zero3_infinity's directory is made (default: $TMPDIR)")
     parser.add_argument("--capacity-layers", type=int, help="then zero3_infinity alone at this many layers")
+    parser.add_argument("--memory-limit", type=float, metavar="GIB", help="run each way inside a memory group")
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # inside a rank
     parser.add_argument("--files-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     _charts.add_chart_argument(parser, "infinity")
     args = parser.parse_args()
+    args.width = args.width or WIDTHS[args.model]
     if args.way is not None:
         worker(args)
         return
@@ -355,12 +448,18 @@ def main() -> None:
         parser.error(f"--steps {args.steps}: seconds per step are those after the first, so give 2 or more")
     mem_total = meminfo("MemTotal")
     print(f"{_charts.cpu()}; MemTotal {mem_total / GIB:.1f} GiB; {RANKS} CPU ranks, each way in its own launch")
-    print(f"Residual MLP, width {args.width}, {args.layers} layers, Adam, {ROWS} rows a rank, {args.steps} steps\n")
+    print(f"{model_name(args)}, {args.layers} layers, Adam, {args.steps} steps")
+    if args.memory_limit is not None and (reason := memory_group.unavailable_reason()) is not None:
+        print(f"--memory-limit {args.memory_limit}: not applied ({reason}); the runs are unlimited")
+        args.memory_limit = None
+    elif args.memory_limit is not None:
+        print(f"Each launch inside a memory group limited to {args.memory_limit} GiB, page cache included")
+    print()
     runs: list[Run | str] = []
     for way in ways:
-        needs = state_bytes_held(way, parameter_count(args.width, args.layers))
-        if needs > mem_total and way != "zero3_infinity":
-            runs.append(f"| {way} | skipped: needs {needs / GIB:.1f} GiB | | | | | |")
+        needs = state_bytes_held(way, parameter_count(args.model, args.width, args.layers))
+        if needs > mem_total and way != "zero3_infinity" and args.memory_limit is None:
+            runs.append(f"| {way} | skipped: needs {needs / GIB:.1f} GiB |")
             continue
         runs.append(launch(way, args, args.layers))
     print("\n".join(table(runs, mem_total)), flush=True)
@@ -371,7 +470,7 @@ def main() -> None:
             print(files_note(run, offload_base(args)))
     capacity = None
     if args.capacity_layers:
-        params = parameter_count(args.width, args.capacity_layers)
+        params = parameter_count(args.model, args.width, args.capacity_layers)
         print(f"\nCapacity: zero3_infinity alone, {args.capacity_layers} layers, {sig(params / 1e9, 4)} B parameters,"
               f" {sig(STATE_BYTES * params / GIB)} GiB of model states\n", flush=True)  # fmt: skip
         done = launch("zero3_infinity", args, args.capacity_layers)

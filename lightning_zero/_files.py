@@ -30,14 +30,16 @@ def reserved_mapping(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def nameless_mapping(directory: Path, size: int) -> mmap.mmap:
-    """A new file of ``size`` bytes on ``directory``'s filesystem, with no name, mapped shared; its space is reserved
-    now, as in :func:`reserved_mapping`."""
+def nameless_mapping(directory: Path, size: int) -> tuple[int, mmap.mmap]:
+    """A new file of ``size`` bytes on ``directory``'s filesystem, with no name, mapped shared, and its descriptor
+    (the caller closes it: the file lives until then and its mapping is gone); its space is reserved now, as in
+    :func:`reserved_mapping`."""
     fd = nameless_file(directory)
     try:
-        return _map_reserved(fd, size)
-    finally:
+        return fd, _map_reserved(fd, size)
+    except OSError:
         os.close(fd)
+        raise
 
 
 def nameless_file(directory: Path) -> int:

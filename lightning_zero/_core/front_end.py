@@ -20,9 +20,7 @@ from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core import Mode, choose_mode
 from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.param_files import ParameterFiles
-from lightning_zero._offload.placement import Placement, placement_for
-from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.placement import Placement, placement_of
 from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero._transport import watchdog
 
@@ -67,15 +65,7 @@ class ZeroFrontEnd:
         """Where the optimizer's side of training lives (see :mod:`lightning_zero._offload.placement`), chosen once
         from the options."""
         if self._placement is None:
-            config = self.config
-            offload_dir, pin_memory = config.offload_dir, config.pin_memory
-            files = None
-            if config.offload_parameters is OffloadTarget.DISK:
-                assert offload_dir is not None  # the options require it
-                files = ParameterFiles(offload_dir, config.max_in_cpu, config.prefetch_units)
-            self._placement = placement_for(
-                config.offload, offload_dir=offload_dir, pin_memory=pin_memory, parameter_files=files
-            )
+            self._placement = placement_of(self.config)
         return self._placement
 
     @property

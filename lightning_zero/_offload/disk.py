@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero._files import nameless_mapping
+from lightning_zero._offload.page_cache import MappedFile, Writeback
 from lightning_zero._offload.target import OffloadError
 from lightning_zero._transport.torch_private import dtensor_like
 
@@ -20,15 +20,17 @@ class DiskState:
     """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process. A checkpoint directory loads into new files
+    files; then every mapping's pages are dropped from the process (and, under a memory limit, from the page cache:
+    ``writeback``, see :mod:`~lightning_zero._offload.page_cache`). A checkpoint directory loads into new files
     (:meth:`empty_like`) without passing through memory. Scalars (step counters) stay in memory. The files
     stay mapped while this object lives (state a checkpoint replaced included); their space returns to the disk once
     it and the state's tensors are dropped at teardown, or when the process ends, however it ends.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, writeback: Writeback) -> None:
         self.directory = directory
-        self._maps: dict[int, mmap.mmap] = {}  # data_ptr of every state tensor that lives in a file -> its mapping
+        self.writeback = writeback
+        self._maps: dict[int, MappedFile] = {}  # data_ptr of every state tensor that lives in a file -> its file
         self._bytes = 0
 
     def adopt(self, optimizer: Optimizer, params: list[torch.Tensor] | None = None) -> None:
@@ -40,16 +42,17 @@ class DiskState:
                 local = _local(value)
                 if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.numel() == 0:
                     continue  # step counters stay in memory; an empty shard needs no file
-                mapping = self._maps.get(local.data_ptr())
-                if mapping is None:
+                file = self._maps.get(local.data_ptr())
+                if file is None:
                     state[key] = self._to_file(value, local)
-                    mapping = self._maps[_local(state[key]).data_ptr()]
-                mapping.madvise(mmap.MADV_DONTNEED)
+                    file = self._maps[_local(state[key]).data_ptr()]
+                self.writeback.leave(file, 0, len(file.mapping), written=True)
 
     def release(self) -> None:
-        """Drop the mapped pages from this process; the data stays in the files (and the page cache)."""
-        for mapping in self._maps.values():
-            mapping.madvise(mmap.MADV_DONTNEED)
+        """Drop the mapped pages from this process; the data stays in the files."""
+        for file in self._maps.values():
+            self.writeback.leave(file, 0, len(file.mapping), written=True)
+        self.writeback.drain()
 
     def empty_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A state tensor laid out like ``like`` (a DTensor: its local tensor) in ``dtype``, in a new file."""
@@ -66,9 +69,9 @@ class DiskState:
     def _new(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         numel = shape.numel()
         nbytes = numel * dtype.itemsize
-        mapping = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
-        mapped = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
-        self._maps[mapped.data_ptr()] = mapping
+        file = reserve(self.directory, nbytes, "optimizer state", f"{self._bytes} bytes")
+        mapped = torch.frombuffer(file.mapping, dtype=dtype, count=numel).view(shape)
+        self._maps[mapped.data_ptr()] = file
         self._bytes += nbytes
         return mapped
 
@@ -84,11 +87,11 @@ def _like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return dtensor_like(value, local) if isinstance(value, DTensor) else local
 
 
-def reserve(directory: Path, nbytes: int, what: str, held: str) -> mmap.mmap:
+def reserve(directory: Path, nbytes: int, what: str, held: str) -> MappedFile:
     """A new nameless file of ``nbytes`` for ``what`` under ``directory``, mapped; a disk without room is an
     :class:`OffloadError` naming the directory and what is ``held`` there already."""
     try:
-        return nameless_mapping(directory, nbytes)
+        return MappedFile(*nameless_mapping(directory, nbytes))
     except OSError as error:
         raise OffloadError(
             f"Could not reserve {nbytes} bytes for {what} in `{directory}`: {error.strerror}; {held} are already"

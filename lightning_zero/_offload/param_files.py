@@ -9,19 +9,22 @@ only while it works on them, and the kernel reads them ahead and writes them bac
 
 - before a unit's forward, the next ``prefetch`` units in the root's module order (taken as the order of the
   forward) are read ahead (``MADV_WILLNEED``: the kernel reads them while this unit computes); after its forward,
-  its pages leave the process (``MADV_DONTNEED``; a shared mapping keeps their data in the file);
+  its pages leave the process (``MADV_DONTNEED``; a shared mapping keeps their data in the file), and under a memory
+  limit the page cache (:mod:`~lightning_zero._offload.page_cache`);
 - as a unit's gradient shards arrive in backward (``fully_shard`` calls the parameter's post-accumulate-grad hooks),
   each is copied into its file, becomes the parameter's ``.grad``, and both leave the process; the units next in
   backward order are read ahead;
 - the optimizer steps one unit at a time (:meth:`ParameterFiles.chunks`), each unit's pages read ahead of its turn and
   dropped after it.
 
+Pages leave through a :class:`~lightning_zero._offload.page_cache.Writeback`, told which of them were written.
 The first units in order whose shards fit in ``max_in_cpu`` elements stay in host memory as ``fully_shard`` left them.
 The files have no names, so nothing of them outlives the process, however it ends (:mod:`lightning_zero._files`).
 """
 
 from __future__ import annotations
 
+import enum
 import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +36,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_zero._offload.allocator import return_large_blocks
 from lightning_zero._offload.disk import reserve
+from lightning_zero._offload.page_cache import MappedFile, Writeback
 from lightning_zero._transport.torch_private import (
     move_shard,
     padded_shard,
@@ -62,6 +67,15 @@ class Region:
     grad: torch.Tensor | None = None  # its gradient's view of the unit's gradient file, from its first backward
 
 
+class Written(enum.Enum):
+    """Which of a unit's files the process wrote since their pages last left it."""
+
+    NOTHING = ()
+    SHARDS = ("shards",)
+    GRADIENTS = ("grads",)
+    BOTH = ("shards", "grads")
+
+
 @dataclass(eq=False)
 class UnitFiles:
     """A unit's shards in one file, and their gradients in another."""
@@ -71,20 +85,27 @@ class UnitFiles:
     nbytes: int
     index: int = -1  # its place in :attr:`ParameterFiles.units`
     order: int = -1  # its unit's place in the root's module order
-    shards: mmap.mmap | None = None
-    grads: mmap.mmap | None = None
+    shards: MappedFile | None = None
+    grads: MappedFile | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The unit's parameters in its files, in the files' order."""
         return [sharded_param(region.shard) for region in self.regions]
 
-    def advise(self, advice: int, region: Region | None = None) -> None:
-        """``madvise`` the unit's pages (or one region's), shards and gradients alike."""
+    def read_ahead(self) -> None:
+        """Have the kernel read the unit's pages, shards and gradients, while the process works on others."""
+        for file in (self.shards, self.grads):
+            if file is not None:
+                file.mapping.madvise(mmap.MADV_WILLNEED, 0, self.nbytes)
+
+    def leave(self, writeback: Writeback, written: Written, region: Region | None = None) -> None:
+        """The unit's pages (or one region's), shards and gradients alike, leave the process."""
         start, length = (0, self.nbytes) if region is None else (region.offset, _page_multiple(region.nbytes))
-        for mapping in (self.shards, self.grads):
-            if mapping is not None and length:
-                mapping.madvise(advice, start, length)
+        for name in ("shards", "grads"):
+            file = getattr(self, name)
+            if file is not None:
+                writeback.leave(file, start, length, written=name in written.value)
 
 
 @dataclass(eq=False)
@@ -104,8 +125,9 @@ def _qualified(paths: dict[nn.Module, str], module: nn.Module, name: str) -> str
 class ParameterFiles:
     """The shards of a ``fully_shard``-ed module's units in files under ``directory`` (see the module)."""
 
-    def __init__(self, directory: Path, max_in_cpu: int, prefetch: int) -> None:
+    def __init__(self, directory: Path, max_in_cpu: int, prefetch: int, writeback: Writeback) -> None:
         self.directory = directory
+        self.writeback = writeback
         self.max_in_cpu = max_in_cpu
         self.prefetch = prefetch
         self.units: list[UnitFiles] = []  # in the root's module order, taken for the forward order
@@ -122,6 +144,7 @@ class ParameterFiles:
         shards go to files (all but the first in ``root``'s module order whose shards fit in ``max_in_cpu``
         elements), each to move as soon as its parameters built without values (meta) have theirs (:meth:`filled`),
         the rest when all have (:meth:`adopt`)."""
+        return_large_blocks()  # else the allocator's heaps keep what each unit's tensors took (see its module)
         order = {module: index for index, module in enumerate(root.modules())}
         paths = {module: path for path, module in root.named_modules()}
         kept = 0
@@ -176,7 +199,7 @@ class ParameterFiles:
         files.order = waiting.order
         self.units.append(files)
         unit.register_forward_pre_hook(lambda *_, f=files: self._before_forward(f), prepend=True)
-        unit.register_forward_hook(lambda *_, f=files: f.advise(mmap.MADV_DONTNEED))
+        unit.register_forward_hook(lambda *_, f=files: f.leave(self.writeback, Written.NOTHING))
 
     def _to_files(self, name: str, shards: list[Any]) -> UnitFiles | None:
         regions, offset = [], 0
@@ -190,16 +213,16 @@ class ParameterFiles:
         files.shards = self._map(offset, "parameter shards")
         for region in regions:
             source = padded_shard(region.shard)
-            mapped = self._view(files.shards, region, source.dtype, source.numel()).copy_(source)
+            mapped = self._view(files.shards.mapping, region, source.dtype, source.numel()).copy_(source)
             move_shard(region.shard, mapped)
             param = sharded_param(region.shard)
             self._of_param[id(param)] = files
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(lambda p, f=files, r=region: self._grad_arrived(f, r, p))
-        files.advise(mmap.MADV_DONTNEED)
+        files.leave(self.writeback, Written.SHARDS)
         return files
 
-    def _map(self, nbytes: int, what: str) -> mmap.mmap:
+    def _map(self, nbytes: int, what: str) -> MappedFile:
         mapping = reserve(self.directory, nbytes, what, f"{self._bytes} bytes of parameter shards and gradients")
         self._bytes += nbytes
         return mapping
@@ -213,19 +236,19 @@ class ParameterFiles:
     def _before_forward(self, files: UnitFiles) -> None:
         """Read this unit and the next ``prefetch`` ahead."""
         for ahead in self.units[files.index : files.index + 1 + self.prefetch]:
-            ahead.advise(mmap.MADV_WILLNEED)
+            ahead.read_ahead()
 
     def _grad_arrived(self, files: UnitFiles, region: Region, param: torch.Tensor) -> None:
         """``fully_shard`` set (or accumulated into) ``param.grad``: keep it in the unit's gradient file."""
         if id(files) not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
             self._in_backward.add(id(files))
             for ahead in self.units[max(files.index - self.prefetch, 0) : files.index]:
-                ahead.advise(mmap.MADV_WILLNEED)
+                ahead.read_ahead()
         grad = param.grad
         assert isinstance(grad, DTensor)
         local = grad.to_local()
         if local.numel() == 0:  # this rank holds no rows of it (nor a gradient file region)
-            files.advise(mmap.MADV_DONTNEED, region)
+            files.leave(self.writeback, Written.NOTHING, region)
             return
         if local.numel() * local.element_size() > region.nbytes:
             raise RuntimeError(
@@ -235,17 +258,18 @@ class ParameterFiles:
         if region.grad is None:
             if files.grads is None:
                 files.grads = self._map(files.nbytes, "gradient shards")
-            region.grad = self._view(files.grads, region, local.dtype, local.numel()).view(local.shape)
+            region.grad = self._view(files.grads.mapping, region, local.dtype, local.numel()).view(local.shape)
         if local.data_ptr() != region.grad.data_ptr():
             with torch.no_grad():
                 region.grad.copy_(local)
             param.grad = shard_grad(region.shard, region.grad)
-        files.advise(mmap.MADV_DONTNEED, region)
+        files.leave(self.writeback, Written.GRADIENTS, region)
 
     def release(self) -> None:
         """Drop every unit's pages from the process (after a checkpoint read them all); the data stays in the files."""
         for files in self.units:
-            files.advise(mmap.MADV_DONTNEED)
+            files.leave(self.writeback, Written.BOTH)
+        self.writeback.drain()
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
 
@@ -256,10 +280,10 @@ class ParameterFiles:
         chunks = [[p for p in files.params if id(p) in wanted] for files in self.units]
         for index, (files, chunk) in enumerate(zip(self.units, chunks, strict=True)):
             for ahead in self.units[index + 1 : index + 1 + self.prefetch]:
-                ahead.advise(mmap.MADV_WILLNEED)
+                ahead.read_ahead()
             if chunk:
                 yield chunk
-            files.advise(mmap.MADV_DONTNEED)
+            files.leave(self.writeback, Written.SHARDS)
         rest = [p for p in params if id(p) not in self._of_param]
         if rest:
             yield rest

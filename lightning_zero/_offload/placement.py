@@ -16,6 +16,9 @@ A placement owns every decision that depends on where the optimizer steps (see t
 state and the step to host memory; :class:`OnDisk` does the same with the optimizer state in memory-mapped files.
 Either can also keep stage 3's parameter shards and gradients in files (:class:`ParameterFiles`), and then steps the
 optimizer one unit at a time.
+:func:`placement_of` reads the options: where the optimizer lives, and whether stage 3's shards go to files. Files'
+pages leave the process, and under a memory limit the page cache, through one
+:class:`~lightning_zero._offload.page_cache.Writeback` shared by the shards' and the optimizer state's files.
 A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,10 +39,14 @@ from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.page_cache import Writeback, page_cache_policy
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport.mesh import created
+
+if TYPE_CHECKING:
+    from lightning_zero._config import ZeroConfig
 
 
 class Placement:
@@ -216,10 +224,16 @@ class OnDisk(OnHost):
     :class:`~lightning_zero._offload.disk.DiskState`)."""
 
     def __init__(
-        self, directory: Path, *, pin_memory: bool = True, parameter_files: ParameterFiles | None = None
+        self,
+        directory: Path,
+        *,
+        pin_memory: bool = True,
+        parameter_files: ParameterFiles | None = None,
+        writeback: Writeback | None = None,
     ) -> None:
         super().__init__(pin_memory=pin_memory, parameter_files=parameter_files)
         self.directory = directory
+        self.writeback = writeback or Writeback(page_cache_policy())
         self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
 
     def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
@@ -237,18 +251,40 @@ class OnDisk(OnHost):
 
     def _files(self) -> DiskState:
         if self._disk is None:
-            self._disk = DiskState(self.directory)
+            self._disk = DiskState(self.directory, self.writeback)
         return self._disk
 
     def teardown(self) -> None:
         self._disk = None  # its files go with the last tensor mapping them
 
 
+def placement_of(config: ZeroConfig) -> Placement:
+    """The placement the options ask for: the optimizer's offload target, and with ``offload_parameters="disk"``
+    stage 3's shards in :class:`ParameterFiles` under ``offload_dir``."""
+    writeback = Writeback(page_cache_policy())
+    files = None
+    if config.offload_parameters is OffloadTarget.DISK:
+        assert config.offload_dir is not None  # the options require it
+        files = ParameterFiles(config.offload_dir, config.max_in_cpu, config.prefetch_units, writeback)
+    return placement_for(
+        config.offload,
+        offload_dir=config.offload_dir,
+        pin_memory=config.pin_memory,
+        parameter_files=files,
+        writeback=writeback,
+    )
+
+
 def placement_for(
-    target: OffloadTarget, *, offload_dir: Path | None, pin_memory: bool, parameter_files: ParameterFiles | None = None
+    target: OffloadTarget,
+    *,
+    offload_dir: Path | None,
+    pin_memory: bool,
+    parameter_files: ParameterFiles | None = None,
+    writeback: Writeback | None = None,
 ) -> Placement:
-    """The placement of the options' offload target (of the optimizer), with stage 3's ``parameter_files`` if the
-    shards live on disk."""
+    """The placement of an offload target (of the optimizer), with stage 3's ``parameter_files`` if the shards live
+    on disk; disk state's files leave through ``writeback`` (by default one of its own)."""
     match target:
         case OffloadTarget.DEVICE:
             assert parameter_files is None  # parameters on disk take the optimizer to the host
@@ -257,5 +293,5 @@ def placement_for(
             return OnHost(pin_memory=pin_memory, parameter_files=parameter_files)
         case OffloadTarget.DISK:
             assert offload_dir is not None  # the options require it
-            return OnDisk(offload_dir, pin_memory=pin_memory, parameter_files=parameter_files)
+            return OnDisk(offload_dir, pin_memory=pin_memory, parameter_files=parameter_files, writeback=writeback)
     raise ValueError(f"No placement for {target}.")
