@@ -10,7 +10,8 @@ Words used below:
   every rank raises the same error.
 - *stall*: this rank's main thread has stayed in one call of a collective (this package's, torch's) or at exit,
   waiting for its peers, for ``stall_after`` seconds; it then asks a round. A rank also asks one when one of this
-  package's collectives fails (:func:`check_now`), and when it receives SIGTERM or SIGINT while blocked in one.
+  package's collectives fails (:func:`check_now`), and when it receives SIGTERM or SIGINT while blocked in one (still
+  in the same call :data:`SIGNAL_GRACE_SECONDS` later: otherwise the signal's own handler, Lightning's, runs).
 - *verdict*: :class:`~.labels.DivergedError` when the ranks wait in different collectives (code that differs between
   ranks); :class:`~.peers.PeerError` when a rank did not answer (stopped by SIGSTOP or a debugger, hung without
   letting Python run) or received a signal; none when a rank is busy elsewhere (slower, not stuck): the round is asked
@@ -54,6 +55,7 @@ DEFAULT_STALL_AFTER = 60.0
 TICK_SECONDS = 1.0  # at most; a smaller `stall_after` wakes the thread 4 times within it
 ANSWER_SECONDS = 5.0  # how long a round waits for every rank's answer
 GRACE_SECONDS = 10.0  # how long a released main thread may stay blocked before the process ends
+SIGNAL_GRACE_SECONDS = 5.0  # how long a signal's own handler may take to run before a blocked main thread is released
 _KEY = "lightning_zero/watch"
 _VERDICT = f"{_KEY}/verdict"
 _FOREIGN_TAG = 0x5A0DD06  # the tag of the receive that closes a gloo connection: no collective of torch's uses it
@@ -78,6 +80,8 @@ class Watchdog:
         self._answered = 0  # the last round this rank answered
         self._seen = 0  # the last round this rank collected
         self._signalled: int | None = None  # a SIGTERM or SIGINT received while blocked
+        # a signal received while the main thread was in a collective, the call it was in, and when
+        self._pending_signal: tuple[int, tuple[int, int, int], float] | None = None
         self._released: tuple[tuple[int, int, int] | None, float] | None = None  # the blocked frame, and when
         self._lock = threading.Lock()  # rounds are asked from this thread and from a failed collective's
         self._wakeup = _signal_pipe()
@@ -101,9 +105,15 @@ class Watchdog:
                 continue
             blocked = sample.place is not Place.BUSY
             if signum is not None and blocked:
-                self._signalled = signum
-                self.ask()
-                continue
+                self._pending_signal = (signum, sample.frame_key, now)
+            if self._pending_signal is not None:
+                signum, frame_key, received = self._pending_signal
+                if frame_key != sample.frame_key:  # the main thread moved on: its own handler deals with the signal
+                    self._pending_signal = None
+                elif now - received >= SIGNAL_GRACE_SECONDS:
+                    self._signalled = signum
+                    self.ask()
+                    continue
             asked = _store_int(f"{_KEY}/asked")
             if asked is not None and asked != self._seen:
                 self._round(asked)
