@@ -89,7 +89,9 @@ def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
         with peers.naming_peers("exchange over gloo", group):
             yield
     except peers.PeerError as error:
-        found = watchdog.check_now(ask=not peers.connection_lost(error))
+        # a lost connection or the group's own timeout says what happened already: no round (its answers could take
+        # the answer window more), only a verdict a peer reached
+        found = watchdog.check_now(ask=not (peers.connection_lost(error) or peers.timed_out(error)))
         if found is not None:
             raise found from error
         raise

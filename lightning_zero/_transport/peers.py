@@ -144,6 +144,11 @@ def naming_peers(where: str, group: ProcessGroup) -> Generator[None, None, None]
         raise failed(where, me, others, error) from error
 
 
+def timed_out(error: PeerError) -> bool:
+    """Whether ``error`` is gloo's own timeout: the process group's ``timeout`` ran out waiting for a peer."""
+    return error.__cause__ is not None and _GLOO_TIMED_OUT.search(str(error.__cause__)) is not None
+
+
 def connection_lost(error: PeerError) -> bool:
     """Whether ``error`` is gloo's lost connection to a peer (its process exited, or it closed the connection)."""
     return error.__cause__ is not None and _CONNECTION_LOST.search(str(error.__cause__)) is not None
