@@ -48,6 +48,18 @@ def over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tests.launch, "GRACE", 20.0)
 
 
+def failed_on_both_ranks(worker: str, out: Path, rank0: str) -> str:
+    """Launch ``worker`` on 2 ranks; both must exit 1, each naming what rank 0 did (``rank0``) as seen on it: the
+    launch's error message."""
+    with pytest.raises(LaunchError) as failure:
+        launch(worker, [str(out)], 2, timeout=300)
+    message = str(failure.value)
+    assert message.startswith("processes failed [(0, 1), (1, 1)]:"), message[-3000:]
+    for rank in range(2):
+        assert f"(seen on rank {rank}): {rank0}" in message, message[-3000:]
+    return message
+
+
 @pytest.mark.parametrize(
     ("phase", "rank0"),
     [
@@ -62,12 +74,7 @@ def test_divergent_ranks_fail_within_stall_after_over_gloo(phase: Divergence, ra
     same error naming both and the fix. (Between two training epochs, rank 0 waits in Lightning's broadcast instead:
     :func:`test_sigterm_during_a_stall_ends_every_rank` stops that stall, which ``stall_after`` would end alike.)"""
     write_payload(tmp_path, runs=[(phase, "zero3", False)], stall_after=STALL_AFTER)
-    with pytest.raises(LaunchError) as failure:
-        launch("tests.workers.divergent", [str(tmp_path)], 2, timeout=300)
-    message = str(failure.value)
-    assert message.startswith("processes failed [(0, 1), (1, 1)]:"), message[-3000:]
-    for rank in range(2):
-        assert f"(seen on rank {rank}): rank 0: {rank0}" in message, message[-3000:]
+    message = failed_on_both_ranks("tests.workers.divergent", tmp_path, f"rank 0: {rank0}")
     assert f"rank 1: {GATHERS_BLOCK}" in message
     assert HINT in message
     assert waited(message) and max(waited(message)) <= ASKED_WITHIN, waited(message)
@@ -78,12 +85,7 @@ def test_a_unit_run_on_one_rank_fails_every_rank_under_fabric(tmp_path: Path) ->
     """A Fabric loop whose forward runs ``blocks.1`` on rank 0 only: over gloo, rank 1's gathers pair with rank 0's
     other ones (they are the same size) until rank 0 waits for a gather rank 1 never starts; both ranks name it."""
     write_payload(tmp_path, case="fabric_branch", stall_after=STALL_AFTER)
-    with pytest.raises(LaunchError) as failure:
-        launch("tests.workers.stalls", [str(tmp_path)], 2, timeout=300)
-    message = str(failure.value)
-    assert message.startswith("processes failed [(0, 1), (1, 1)]:"), message[-3000:]
-    for rank in range(2):
-        assert f"(seen on rank {rank}): rank 0: the all-gather of unit `blocks." in message, message[-3000:]
+    message = failed_on_both_ranks("tests.workers.stalls", tmp_path, "rank 0: the all-gather of unit `blocks.")
     rank1 = "rank 1: the reduce-scatter of unit `blocks.0` of Branching's gradients, then the end of its script"
     assert rank1 in message
     assert max(waited(message)) <= ASKED_WITHIN

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -86,20 +87,24 @@ def _label_own_collectives(
     if channel is None:
         _record_own_collectives(fsdp_modules, where)
         return None
-    for module in fsdp_modules:
-        assert isinstance(module, FSDPModule)
-        gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
-        before_own_collectives(module, partial(channel.meet, gather), partial(channel.meet, reduce))
+    _before_own_collectives(fsdp_modules, where, channel.meet)
     return channel
 
 
 def _record_own_collectives(fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]]) -> None:
     """Where ``fully_shard`` keeps its own collectives (NCCL; gloo on torch 2.8 without shared memory): each unit's
     gather and reduction is recorded as it starts, for the stall watchdog (:mod:`.activity`)."""
+    _before_own_collectives(fsdp_modules, where, activity.entered)
+
+
+def _before_own_collectives(
+    fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]], call: Callable[[int], None]
+) -> None:
+    """``call`` each unit's label just before each of its own gathers and reductions."""
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
         gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
-        before_own_collectives(module, partial(activity.entered, gather), partial(activity.entered, reduce))
+        before_own_collectives(module, partial(call, gather), partial(call, reduce))
 
 
 def _class_name(module: nn.Module) -> str:

@@ -146,12 +146,16 @@ def naming_peers(where: str, group: ProcessGroup) -> Generator[None, None, None]
 
 def timed_out(error: PeerError) -> bool:
     """Whether ``error`` is gloo's own timeout: the process group's ``timeout`` ran out waiting for a peer."""
-    return error.__cause__ is not None and _GLOO_TIMED_OUT.search(str(error.__cause__)) is not None
+    return _caused_by(error, _GLOO_TIMED_OUT)
 
 
 def connection_lost(error: PeerError) -> bool:
     """Whether ``error`` is gloo's lost connection to a peer (its process exited, or it closed the connection)."""
-    return error.__cause__ is not None and _CONNECTION_LOST.search(str(error.__cause__)) is not None
+    return _caused_by(error, _CONNECTION_LOST)
+
+
+def _caused_by(error: PeerError, gloo_says: re.Pattern[str]) -> bool:
+    return error.__cause__ is not None and gloo_says.search(str(error.__cause__)) is not None
 
 
 def ranks(peers: list[int], pids: dict[int, int] | None = None, one_of: bool = False) -> str:
