@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from lightning_zero._engine.loss_scaler import LossScaler, StepVerdict
 from lightning_zero._engine.reducers import GradHome
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.local_step import LocalStep, steps_locally
 
 
 class ZeroOptimizer(Optimizer):
@@ -50,6 +51,7 @@ class ZeroOptimizer(Optimizer):
         self._shard_ids = {id(s.shard) for s in self.sharded}
         with self.shards_installed():
             self._kernels = choose_kernels(optimizer)  # the placement's: decided once, on the shards
+        self._local = LocalStep() if steps_locally(optimizer) else None  # else it steps on the DTensor shards
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
@@ -91,7 +93,7 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         skip = self._scaler is not None and self._scaler.verdict is StepVerdict.OVERFLOW
         if not skip:
-            with self.shards_installed(), self._kernels.applied(self.optimizer):
+            with self.shards_installed(), self._kernels.applied(self.optimizer), self._on_local_tensors():
                 self.optimizer.step()
             if self._masters or self._scaler is not None:
                 for sharded in self.sharded:
@@ -105,6 +107,9 @@ class ZeroOptimizer(Optimizer):
         if self._scaler is not None:
             self._scaler.update()
         return loss
+
+    def _on_local_tensors(self) -> AbstractContextManager[None]:
+        return nullcontext() if self._local is None else self._local.applied(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the module parameters' gradients (the wrapped optimizer's job) and the shards' ones."""

@@ -24,8 +24,9 @@ A new tier (another kind of memory, a different host kernel) is a new subclass, 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
+from lightning_zero._offload.local_step import LocalStep, steps_locally
 from lightning_zero._offload.page_cache import Writeback, page_cache_policy
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
@@ -58,7 +60,9 @@ class Placement:
 
     def __init__(self, *, pin_memory: bool = True) -> None:
         self.pin_memory = pin_memory  # page-lock host tensors of a CUDA module
-        self._kernels: dict[int, KernelChoice] = {}  # stage 3: each optimizer's kernels, by ``id``
+        # stage 3: each optimizer's kernels, and how it steps on local tensors where its update is elementwise
+        self._kernels: weakref.WeakKeyDictionary[Optimizer, KernelChoice] = weakref.WeakKeyDictionary()
+        self._local_steps: weakref.WeakKeyDictionary[Optimizer, LocalStep] = weakref.WeakKeyDictionary()
 
     # --- the process group ------------------------------------------------------------------------------------------
 
@@ -104,18 +108,24 @@ class Placement:
 
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         """Stage 3: decide once, with the shards where they stay, the kernels :meth:`stepping` applies to
-        ``optimizer``."""
+        ``optimizer``, and whether it steps on their local tensors."""
+        self._kernels[optimizer] = self.shard_kernels(optimizer)
+        if steps_locally(optimizer):
+            self._local_steps[optimizer] = LocalStep()
 
     # --- every step -------------------------------------------------------------------------------------------------
 
     @contextmanager
     def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
-        """Around the optimizer step of ``optimizer`` (the ``torch.optim`` one): the kernels kept for it."""
-        kernels = self._kernels.get(id(optimizer))
-        if kernels is None:
-            yield
-            return
-        with kernels.applied(optimizer):
+        """Around the optimizer step of ``optimizer`` (the ``torch.optim`` one): the kernels kept for it, on the local
+        tensors of its shards where it can (its closure still runs on the shards)."""
+        with ExitStack() as stack:
+            kernels = self._kernels.get(optimizer)
+            if kernels is not None:
+                stack.enter_context(kernels.applied(optimizer))
+            local = self._local_steps.get(optimizer)
+            if local is not None:
+                stack.enter_context(local.around_step(optimizer))
             yield
 
     # --- checkpoints -------------------------------------------------------------------------------------------------
@@ -192,9 +202,6 @@ class OnHost(Placement):
         files.expect(root, units)
         yield files.filled if device.type == "cpu" else None
         files.adopt()
-
-    def keep_step_kernels(self, optimizer: Optimizer) -> None:
-        self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)
 
     @contextmanager
     def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:

@@ -24,9 +24,10 @@ runs):
   :class:`ReduceScatter`), which :mod:`.fsdp_comms` implements on CPU process groups.
 - **reset**: a root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch, every unit resharded by hand in 2.8.
-- **DTensor layout**: a DTensor's layout given to a new local tensor on that tensor's own device
-  (:func:`dtensor_like`): the public ``DTensor.from_local`` moves the tensor to its mesh's device type, and
-  ``fully_shard`` keeps host-offloaded shards (and so their optimizer state) as host tensors on a CUDA mesh.
+- **DTensor layout**: a DTensor's own local tensor (:func:`local_tensor`, what an optimizer steps on), and its layout
+  given to a new local tensor on that tensor's own device (:func:`dtensor_like`): the public ``DTensor.from_local``
+  moves the tensor to its mesh's device type, and ``fully_shard`` keeps host-offloaded shards (and so their optimizer
+  state) as host tensors on a CUDA mesh.
 
 Beyond ``fully_shard``, checked where used: ``_sync_module_states``, the broadcast of rank 0's parameters and buffers
 that DDP and FSDP start from; a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`;
@@ -214,6 +215,12 @@ def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
     return shard.to_sharded_dtensor(local)
 
 
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The tensor holding this rank's part of ``dtensor``, itself: ``to_local`` gives a parameter a new view of it
+    at every call in recent torch, and the identity of this one says whether the storage was replaced since."""
+    return dtensor._local_tensor
+
+
 def dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
     """``local`` (of ``like``'s local shape and dtype) as the local tensor of a DTensor laid out as ``like``, left on
     its own device."""
@@ -333,8 +340,8 @@ CONTRACT = (
     ContractItem("row split", "each rank's rows of a parameter built after sharding", _rows_hold),
     ContractItem("own collectives", "labels before each gather and reduction of a unit", _own_collectives_hold),
     ContractItem("reset", "a root at rest after an aborted step", lambda u: _has(u, "set_reshard_after_forward")),
-    ContractItem("DTensor layout", "optimizer state in files keeps its layout", lambda u: all(
-        _has(shard.sharded_param, "_spec") for shard in unit_shards(u))),
+    ContractItem("DTensor layout", "steps on local tensors, state in files laid out", lambda u: all(
+        _has(shard.sharded_param, "_spec", "_local_tensor") for shard in unit_shards(u))),
 )  # fmt: skip
 
 
