@@ -39,6 +39,8 @@ SIZES: dict[str, GPTShape] = {
     # GPT-2's own shapes, for benchmarks/bench_gpu.py
     "gpt2-small": GPTShape(n_layer=12, n_head=12, d_model=768, vocab_size=50257, seq_len=1024),  # 124M
     "gpt2-medium": GPTShape(n_layer=24, n_head=16, d_model=1024, vocab_size=50257, seq_len=1024),  # 355M
+    # GPT-2 small's blocks at negligible arithmetic: the host's work per step, for benchmarks/bench_host.py
+    "gpt2-host": GPTShape(n_layer=12, n_head=4, d_model=64, vocab_size=256, seq_len=32),  # 0.62M
 }
 
 

@@ -8,6 +8,11 @@ parameters that got no gradient, waits for all of them, and hands each shard its
 
 Stage 1 (:class:`AllReduceReducer`) keeps full, averaged gradients in ``param.grad`` as DDP does; stage 2
 (:class:`ReduceScatterReducer`) keeps only this rank's shard of them and frees each full gradient once staged.
+
+No value is read back from a gradient buffer while every parameter got a gradient on this rank: the presence flags
+(see :mod:`.layout`) then say "present" everywhere, whatever the other ranks had. Only where this rank had none for
+some parameter are the flags read, once per backward for all such buckets together: on a GPU that read waits for the
+collectives, as DDP's ``find_unused_parameters=True`` does.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Bucket:
         self.state = BucketState.IDLE
         self.staged = [False] * len(params)
         self.num_staged = 0
+        self.absent = False  # some parameter had no gradient on this rank: the flags must be read to know the rest
         self.work: comm.Pending | None = None
         self.buffer: torch.Tensor | None = None  # the collective's input while the bucket is filling or reducing
         self.output: torch.Tensor | None = None  # where the reduced values land
@@ -82,6 +88,7 @@ class Bucket:
         self.state = BucketState.IDLE
         self.staged = [False] * len(self.params)
         self.num_staged = 0
+        self.absent = False
         self.work = None
         self.streamed = False
 
@@ -176,8 +183,12 @@ class GradientReducer:
         """Start the bucket's asynchronous collective."""
         raise NotImplementedError
 
-    def _publish(self, bucket: Bucket) -> None:
-        """After the collective: give each parameter present on some rank its reduced gradient."""
+    def _flags(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's presence flags, summed over ranks, once its collective is done."""
+        raise NotImplementedError
+
+    def _publish(self, bucket: Bucket, present: list[bool]) -> None:
+        """After the collective: give each parameter ``present`` on some rank its reduced gradient."""
         raise NotImplementedError
 
     # --- the mechanism --------------------------------------------------------------------------------------------
@@ -222,10 +233,12 @@ class GradientReducer:
                             self._stage(bucket, index, sharded)
                         else:
                             self._stage_absent(bucket, index)
+                            bucket.absent = True
                 self._launch_next()
             for bucket in self.buckets:
                 self._wait(bucket)
-                self._publish(bucket)
+            for bucket, present in zip(self.buckets, self._presence(), strict=True):
+                self._publish(bucket, present)
                 bucket.reset()
             if self._copy_stream is not None:  # the host reads them next (unscale, clipping, the step)
                 torch.cuda.current_stream(self._host_copies_on).synchronize()
@@ -235,6 +248,20 @@ class GradientReducer:
         self._published = []
         self._next_launch = 0
         self._in_backward = False
+
+    def _presence(self) -> list[list[bool]]:
+        """Per bucket, whether each parameter had a gradient on some rank: known without a read where it had one
+        here; the flags of the other buckets are read together, in one copy to the host."""
+        unknown = [bucket for bucket in self.buckets if bucket.absent]
+        read = torch.cat([self._flags(bucket) for bucket in unknown]).tolist() if unknown else []
+        present = []
+        for bucket in self.buckets:
+            if bucket.absent:
+                flags, read = read[: len(bucket.params)], read[len(bucket.params) :]
+                present.append([flag > 0 for flag in flags])
+            else:
+                present.append([True] * len(bucket.params))
+        return present
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.state is BucketState.REDUCING:
@@ -298,10 +325,12 @@ class AllReduceReducer(GradientReducer):
         else:
             bucket.work = comm.all_reduce_hierarchical(bucket.buffer, self.group, self.replicas)
 
-    def _publish(self, bucket: Bucket) -> None:
-        present = bucket.layout.flags(bucket.buffer).tolist()
+    def _flags(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.layout.flags(bucket.buffer)
+
+    def _publish(self, bucket: Bucket, present: list[bool]) -> None:
         for sharded, region, flag in zip(bucket.params, bucket.regions, present, strict=True):
-            if flag > 0:
+            if flag:
                 sharded.param.grad = region
                 self._hand_over(sharded)
             else:
@@ -381,11 +410,13 @@ class ReduceScatterReducer(GradientReducer):
                     sharded.use_master_grad(bucket.layout.region(mirror, index, self.rank), streamed=True)
         super()._give_host_grads([b for b in buckets if b.host_mirror is None])
 
-    def _publish(self, bucket: Bucket) -> None:
+    def _flags(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.layout.flags(bucket.output)
+
+    def _publish(self, bucket: Bucket, present: list[bool]) -> None:
         layout = bucket.layout
-        present = layout.flags(bucket.output).tolist()
         for index, (sharded, flag) in enumerate(zip(bucket.params, present, strict=True)):
-            if flag == 0:
+            if not flag:
                 continue
             if bucket.output is not bucket.shard_grads:
                 incoming = layout.region(bucket.output, index, self.rank)

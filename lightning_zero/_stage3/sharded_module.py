@@ -197,9 +197,11 @@ class ShardedModule:
                         flat[len(same) + i] = 1
                 comm.all_reduce_sum(flat, self.group).wait()
                 flat[: len(same)] /= self.group.size()
-                present = flat[len(same) :].tolist()  # one read of the flags, not one device sync per parameter
+                # every one present here: no read (it would wait for the device); else one read of all the flags
+                here = [param.grad is not None for param in same]
+                present = here if all(here) else [flag > 0 for flag in flat[len(same) :].tolist()]
                 for i, param in enumerate(same):
-                    if present[i] > 0:
+                    if present[i]:
                         param.grad = flat[i].clone()
 
     def suspend(self) -> None:
