@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
-from lightning_zero._core import EngineMode, FullyShardMode
+from lightning_zero._core import EngineMode, Stage3Mode
 from tests.oracle import MASTER_WEIGHTS, Tolerance, close
 from tests.workers.modules import Classifier
 
@@ -70,8 +70,9 @@ def assert_sharded_path(trainer: pl.Trainer, stage: int, device: str) -> None:
     """The run went through the ZeRO machinery on the device, not plain training."""
     mode = trainer.strategy.mode
     if stage == 3:
-        assert isinstance(mode, FullyShardMode)
+        assert isinstance(mode, Stage3Mode) and mode.engine is not None and mode.engine.reducer is not None
         assert all(isinstance(p, DTensor) for p in trainer.lightning_module.parameters() if p.dim() > 0)
+        assert all(part.rows.device.type == device for unit in mode.engine.units for part in unit.parts)
     else:
         assert isinstance(mode, EngineMode) and mode.engine is not None and mode.engine.reducer.buckets
         assert all(b.device.type == device for b in mode.engine.reducer.buckets)

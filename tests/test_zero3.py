@@ -153,8 +153,8 @@ def test_training_moved_the_weights(results: list[dict[Any, Any]]) -> None:
 
 
 def padded_bytes(module: nn.Module, world_size: int, trainable_only: bool = False) -> int:
-    """Bytes each rank keeps for ``module``'s parameters under ``fully_shard``: ``ceil(rows / N)`` rows of each
-    (its storage is padded to that on every rank), 0-dim parameters whole."""
+    """Bytes each rank keeps for ``module``'s parameters under stage 3: ``ceil(rows / N)`` rows of each (its storage is
+    padded to that on every rank), 0-dim parameters whole."""
     params = [p for p in module.parameters() if p.requires_grad or not trainable_only]
     return sum(4 * math.ceil(p.shape[0] / world_size) * p[0].numel() if p.dim() else 4 for p in params)
 
@@ -181,7 +181,9 @@ def test_bytes_at_rest_are_totals_over_n_plus_padding(results: list[dict[Any, An
         assert zero3["param_bytes"] == padded_bytes(module, world_size)
         one_row_each = sum(4 * p[0].numel() for p in module.parameters())
         assert zero3["param_bytes"] <= ddp["param_bytes"] / world_size + one_row_each
-        assert zero3["grad_bytes"] == padded_bytes(module, world_size, trainable_only=True)
+        # gradient shards are kept as stage 2 keeps them: padded rows, and a presence flag per parameter
+        flags = 4 * num_trainable
+        assert zero3["grad_bytes"] == padded_bytes(module, world_size, trainable_only=True) + flags
         # AdamW: two moments over this rank's rows, and a 4-byte step counter per parameter on every rank
         assert zero3["state_bytes"] == 2 * 4 * local_numel(module, world_size, rank) + 4 * num_trainable
         state_total += zero3["state_bytes"] - 4 * num_trainable

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_zero._core.mode import LifeCycle, Mode, sync_from_rank_zero
-from lightning_zero._stage3.meta_init import MetaInit, materialize
-from lightning_zero._stage3.sharded_module import (
-    ShardedModule,
-    check_even_batches,
-    check_plain_loss,
-    masters_in_fp32,
-    precision_policy,
-)
+from lightning_zero._core.mode import LifeCycle, sync_from_rank_zero
+from lightning_zero._core.parameters import ParametersMode
+from lightning_zero._stage3.meta_init import materialize
+from lightning_zero._stage3.sharded_module import ShardedModule, masters_in_fp32, precision_policy
 from lightning_zero._warning_filter import RunFilter
 from lightning_zero._wrap import choose_units
 
 _VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
-class FullyShardMode(Mode):
+class FullyShardMode(ParametersMode):
     """The module's units and the module itself (the root unit) under ``fully_shard``; the optimizers step on the
     DTensor shards it leaves in the module, on the host when offloaded."""
 
@@ -37,22 +30,7 @@ class FullyShardMode(Mode):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sharded: ShardedModule | None = None  # from the first ``setup_module`` on (any state but ``NEW``)
-        self.meta_init = MetaInit()
-        # before sharding, each parameter's name: optimizers built on the unsharded module are moved to its shards
-        self._names: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
         self._quiet = RunFilter(_VIEW_WARNING, UserWarning)
-
-    def sibling(self) -> Mode:
-        """Modules built together under one ``init_context`` share the record of their meta parameters."""
-        other = super().sibling()
-        assert isinstance(other, FullyShardMode)
-        other.meta_init = self.meta_init
-        return other
-
-    def init_context(self, empty_init: bool) -> AbstractContextManager[None]:
-        """Parameters are built without memory, recording what gives them their values, and get those values after
-        sharding (see :mod:`lightning_zero._stage3.meta_init`), unless ``empty_init`` is false."""
-        return self.meta_init() if empty_init else nullcontext()
 
     def _place(self, module: nn.Module) -> None:
         """Apply ``fully_shard`` to the units and the module, then give parameters built without memory their values,
@@ -65,7 +43,7 @@ class FullyShardMode(Mode):
             existing.resume()
             existing.reshard()
             return
-        self._names = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+        self._remember_names(module)
         plan = self.meta_init.plan(module)
         lazy = plan.by_name(module)
         meta = {name for name, p in module.named_parameters() if p.is_meta}
@@ -89,42 +67,6 @@ class FullyShardMode(Mode):
             self.placement.keep_step_kernels(optimizer)  # decided now, with the shards where they stay
         return optimizers
 
-    def _adopt_shards(self, module: nn.Module, optimizer: Optimizer) -> None:
-        """An optimizer built on the module before sharding (Fabric's ``setup(model, optimizer)``) holds parameters
-        ``fully_shard`` has replaced: point it at their shards, by name."""
-        shards = dict(module.named_parameters(remove_duplicate=False))
-        current = {id(p) for p in shards.values()}
-        for group in optimizer.param_groups:
-            for index, param in enumerate(group["params"]):
-                if id(param) in current:
-                    continue
-                name = self._name_before_sharding(param)
-                if name not in shards:
-                    raise ValueError(
-                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
-                        " parameter of the module being set up. HINT: build the optimizer from that module's"
-                        " `parameters()`."
-                    )
-                if optimizer.state:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} already holds state for the unsharded parameters."
-                        " HINT: set it up before its first step; load its state through a checkpoint."
-                    )
-                group["params"][index] = shards[name]
-
-    def updates(self, module: nn.Module, optimizer: Optimizer) -> bool:
-        """Built on the module's shards, or on its parameters before sharding."""
-        if super().updates(module, optimizer):
-            return True
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        return any(self._name_before_sharding(p) is not None for p in params)
-
-    def _name_before_sharding(self, param: torch.Tensor) -> str | None:
-        """The name ``param`` had in the module before ``fully_shard`` replaced it, if it was one of its parameters
-        (the id alone could be a later tensor's)."""
-        ref, name = self._names.get(id(param), (None, ""))
-        return name if ref is not None and ref() is param else None
-
     def _placed(self) -> ShardedModule:
         assert self.sharded is not None, f"the module is not set up yet ({self.state})"
         return self.sharded
@@ -145,16 +87,9 @@ class FullyShardMode(Mode):
         """``fully_shard``'s no-sync: each unit keeps its full gradient until the synchronised backward."""
         return nullcontext() if self.state is LifeCycle.NEW else self._placed().gradient_sync_disabled()
 
-    def check_loss(self, loss: torch.Tensor) -> None:
-        check_plain_loss(loss)
-
     def after_backward(self) -> None:
         if self.state is not LifeCycle.NEW and self._placed().gradient_sync:
             self._placed().reduce_replicated_grads()
-
-    def before_evaluation(self, counts: list[float], loop: str) -> None:
-        if self.state is not LifeCycle.NEW:
-            check_even_batches(counts, loop, self._placed().group)
 
     def at_rest(self) -> None:
         """Free the root unit's gathered parameters (it stays gathered after an evaluation loop's forward)."""

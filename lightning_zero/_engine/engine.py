@@ -16,7 +16,7 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.gather import ParamGatherer
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._engine.loss_scaler import LossScaler
-from lightning_zero._engine.optimizer import ZeroOptimizer
+from lightning_zero._engine.optimizer import ZeroOptimizer, check_built_on
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.reducers import GradientReducer
 from lightning_zero._engine.sharded_param import ShardedParam
@@ -125,19 +125,7 @@ class ZeroEngine:
 
     def shard_optimizer(self, optimizer: Optimizer) -> ZeroOptimizer:
         """Wrap ``optimizer`` so that it steps on the shards of the module parameters it was built with."""
-        if optimizer.state:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} already holds state before training started."
-                " HINT: create optimizers fresh in `configure_optimizers`; load state through a checkpoint."
-            )
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.requires_grad and id(param) not in self.by_param:
-                    raise ValueError(
-                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
-                        " trainable parameter of the LightningModule. HINT: build optimizers from"
-                        " `self.parameters()` (or a subset of them) in `configure_optimizers`."
-                    )
+        check_built_on(optimizer, self.by_param)
         return ZeroOptimizer(
             optimizer,
             self.by_param,

@@ -82,7 +82,7 @@ class ShardSpec:
 class RankMajorLayout:
     """Offsets of a bucket laid out rank-major: ``world_size`` chunks of ``chunk_numel`` elements each."""
 
-    def __init__(self, specs: list[ShardSpec], world_size: int) -> None:
+    def __init__(self, specs: list[ShardSpec], world_size: int, flagged: bool = True) -> None:
         self.specs = specs
         self.world_size = world_size
         self.offsets: list[int] = []  # start of each parameter's region inside a chunk
@@ -91,7 +91,7 @@ class RankMajorLayout:
             self.offsets.append(offset)
             offset += spec.padded_numel
         self.flags_offset = offset
-        self.chunk_numel = offset + len(specs)
+        self.chunk_numel = offset + (len(specs) if flagged else 0)  # a layout for gathers has no flags
         self.numel = self.chunk_numel * world_size
 
     def region(self, chunk: torch.Tensor, index: int, rank: int) -> torch.Tensor:

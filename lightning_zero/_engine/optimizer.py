@@ -17,6 +17,24 @@ from lightning_zero._offload.kernels import KernelChoice
 from lightning_zero._offload.local_step import LocalStep, steps_locally
 
 
+def check_built_on(optimizer: Optimizer, shards: dict[int, ShardedParam]) -> None:
+    """Refuse an optimizer with state already (it would be laid out for whole parameters) or holding a tensor that is
+    not one of the module's trainable parameters (``shards``, by ``id``)."""
+    if optimizer.state:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} already holds state before training started."
+            " HINT: create optimizers fresh in `configure_optimizers`; load state through a checkpoint."
+        )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and id(param) not in shards:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
+                    " trainable parameter of the LightningModule. HINT: build optimizers from"
+                    " `self.parameters()` (or a subset of them) in `configure_optimizers`."
+                )
+
+
 class ZeroOptimizer(Optimizer):
     """Wraps a ``torch.optim`` optimizer so that its update runs on this rank's shards only.
 
@@ -26,7 +44,8 @@ class ZeroOptimizer(Optimizer):
     groups only while the wrapped optimizer steps or (de)serialises its state.
 
     ``step`` reads like its docstring: gradients were reduced during backward, so update my shards, then gather
-    everyone's updated shards into the full module parameters.
+    everyone's updated shards into the full module parameters (``gather``; in stage 3 ``None``: each unit gathers
+    them before it runs).
     """
 
     def __init__(
@@ -34,7 +53,7 @@ class ZeroOptimizer(Optimizer):
         optimizer: Optimizer,
         shards: dict[int, ShardedParam],
         grad_home: GradHome,
-        gather: Callable[[set[int]], None],
+        gather: Callable[[set[int]], None] | None,
         scaler: LossScaler | None = None,
         *,
         choose_kernels: Callable[[Optimizer], KernelChoice],
@@ -55,6 +74,8 @@ class ZeroOptimizer(Optimizer):
         with_master = [s for s in self.sharded if s.has_master]
         self._module_rows = [s.local for s in with_master]  # 16-bit views the fp32 masters are copied into
         self._masters = [s.master for s in with_master]
+        # gradients handed over as copies (unscaled by the scaler, or in another dtype), freed after the step
+        self._copied_grads = [s for s in self.sharded if scaler is not None or s.grad_copied]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -95,15 +116,15 @@ class ZeroOptimizer(Optimizer):
         if not skip:
             with self.shards_installed(), self._kernels.applied(self.optimizer), self._on_local_tensors():
                 self.optimizer.step()
-            if self._masters or self._scaler is not None:
-                for sharded in self.sharded:
-                    sharded.release_grad_copy()
+            for sharded in self._copied_grads:
+                sharded.release_grad_copy()
             with torch.no_grad():
                 # from host masters: asynchronous, ordered before the gather on the device's stream (a copy within one
                 # device is asynchronous anyway)
                 if self._masters:
                     torch._foreach_copy_(self._module_rows, self._masters, non_blocking=True)
-                self._gather(self._shard_ids)
+                if self._gather is not None:
+                    self._gather(self._shard_ids)
         if self._scaler is not None:
             self._scaler.update()
         return loss

@@ -249,6 +249,21 @@ class GradientReducer:
         self._next_launch = 0
         self._in_backward = False
 
+    def abandon(self) -> None:
+        """After an exception aborted a backward: its staged gradients and collectives are dropped, not waited for
+        (a peer may have failed). A collective in flight keeps its input, which goes back to no pool."""
+        for bucket in self.buckets:
+            pooled = bucket.buffer is not None and bucket.shard_grads is not None  # stage 2's staging input
+            if pooled and bucket.state is not BucketState.REDUCING:
+                self.pool.release(bucket.buffer)
+            if bucket.shard_grads is not None:
+                bucket.buffer = None
+            bucket.output = None
+            bucket.reset()
+        self._published = []
+        self._next_launch = 0
+        self._in_backward = False
+
     def _presence(self) -> list[list[bool]]:
         """Per bucket, whether each parameter had a gradient on some rank: known without a read where it had one
         here; the flags of the other buckets are read together, in one copy to the host."""

@@ -22,14 +22,18 @@ class ShardedParam:
     may put ``master`` on another device than the module (the host), with a buffer there for the reduced gradient.
     """
 
-    def __init__(self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, param: nn.Parameter, spec: ShardSpec, mesh: DeviceMesh, local: torch.Tensor | None = None
+    ) -> None:
         self.param = param
         self.spec = spec
         self.mesh = mesh
         self.rank = mesh.get_local_rank()
         self.placements: tuple[Placement, ...] = (Replicate(),) if spec.replicated else (Shard(0),)
         self._stride = torch.empty(spec.shape, device="meta").stride()  # of the whole parameter, contiguous
-        self.local = spec.take(param.detach(), self.rank)  # view of param's own storage, local_shape(rank)
+        # local_shape(rank): a view of param's own storage, or (stage 3, where the whole parameter exists only while
+        # gathered) the rows kept in its unit's storage
+        self.local = spec.take(param.detach(), self.rank) if local is None else local
         self.host_mesh: DeviceMesh | None = None
         self.master = self.local
         self.shard = nn.Parameter(self.wrap(self.master), requires_grad=param.requires_grad)
@@ -75,6 +79,12 @@ class ShardedParam:
         self.grad_storage = local_grad
         usable = (local_grad.dtype, local_grad.device) == (self.master.dtype, self.master.device)
         self._grad_view = self.wrap(local_grad) if usable else None
+
+    @property
+    def grad_copied(self) -> bool:
+        """Whether the reduced gradient reaches the optimizer as a copy (another dtype than the master's, on its
+        device): :meth:`release_grad_copy` frees it after the step."""
+        return self.master_grad is None and self._grad_view is None
 
     def publish_grad(self, copy: bool) -> torch.Tensor:
         """Hand the reduced gradient to the optimizer, as a view of its storage or, when ``copy`` (the caller will

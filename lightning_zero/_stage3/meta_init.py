@@ -232,16 +232,19 @@ def materialize(
     ``names``: :meth:`Plan.by_name` before sharding. With ``shards_on_host`` (offload), the shards then move to host
     memory, where ``fully_shard`` expects them. ``filled`` is told the name of each parameter as it gets its values
     from its record (its storage stays the parameter's, wherever ``filled`` moves it)."""
-    if not any(p.is_meta for p in root.parameters()):
+    if not names and not plan.resets:
         return
     with torch.no_grad():
-        kept = [(p, _local(p).clone()) for p in root.parameters() if not p.is_meta]
-        buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
-        root.to_empty(device=device)  # also empties what was real: restored right below
-        for param, values in kept:
-            _local(param).copy_(values)
-        for module, name, buffer in buffers:
-            module._buffers[name] = buffer
+        if any(p.is_meta for p in root.parameters()):  # `fully_shard`'s shards have no storage yet
+            kept = [(p, _local(p).clone()) for p in root.parameters() if not p.is_meta]
+            buffers = [
+                (m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta
+            ]
+            root.to_empty(device=device)  # also empties what was real: restored right below
+            for param, values in kept:
+                _local(param).copy_(values)
+            for module, name, buffer in buffers:
+                module._buffers[name] = buffer
         SCRATCH.release()  # what recorded random operations ran on: they are recorded
         source, arena = dist.get_global_rank(mesh.world, 0), Arena()
         for name, lazy in names:

@@ -28,24 +28,22 @@ waiting in a gather (:mod:`lightning_zero._transport.labels`).
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_zero._checkpoint.whole import rows_of
 from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.placement import Placement
+from lightning_zero._stage3.step import rows_of_whole_tensors, run_as_root_forward
 from lightning_zero._transport import activity, fsdp_comms, labels
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport.mesh import DataParallelMesh
@@ -58,13 +56,6 @@ from lightning_zero._transport.torch_private import (
     reset_after_failure,
 )
 
-_MIXED = "got mixed torch.Tensor and DTensor"
-_SHARD_OUTSIDE_FORWARD = (
-    "Under ZeRO stage 3 a parameter of a unit (a submodule sharded on its own) is gathered only inside that unit's"
-    " forward and backward; read anywhere else in the step it is this rank's shard, a DTensor. HINT: use it inside"
-    " the unit's `forward`, or keep its module in the root unit (gathered for the whole step) with an"
-    " `auto_wrap_policy` that does not pick it or a module around it."
-)
 # Each sharded LightningModule's ShardedModule, which refers to the module only weakly, so that the entry (and all it
 # holds: shards, hooks) goes when the user drops the module.
 _BY_MODULE: weakref.WeakKeyDictionary[nn.Module, ShardedModule] = weakref.WeakKeyDictionary()
@@ -140,16 +131,7 @@ class ShardedModule:
         """Run ``forward``: a LightningModule hook (``training_step``, ...) called as the root's forward through
         Lightning's forward redirection, so that the root unit is gathered for the whole step, whatever the step
         calls, and the root's hooks run even when the step never calls ``self(...)``."""
-        with ExitStack() as stack:
-            if torch.is_inference_mode_enabled():  # gathered parameters must stay usable by the next training step
-                stack.enter_context(torch.inference_mode(False))
-                stack.enter_context(torch.no_grad())
-            try:
-                return forward()
-            except RuntimeError as error:
-                if _MIXED not in str(error):
-                    raise
-                raise RuntimeError(f"{error}\n{_SHARD_OUTSIDE_FORWARD}") from error
+        return run_as_root_forward(forward)
 
     def _follow_requires_grad(self, *_: Any) -> None:
         """The root unit stays gathered through a step, so its gathered parameters miss a ``requires_grad`` change
@@ -242,16 +224,10 @@ class ShardedModule:
         reset_after_failure(module)
 
     def _shard_full_tensors(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        """Before ``load_state_dict`` copies into ``owner``'s parameters: a whole tensor (a full state dict, what
-        ``"ddp"`` saves) for a sharded parameter becomes the DTensor of this rank's rows of it, so that the shard
-        takes those rows; one of another shape is left for ``load_state_dict``'s own size check. The root unit may
-        still be gathered after an evaluation's forward: it is resharded first, so the shards are what is loaded."""
+        """Before ``load_state_dict`` copies into ``owner``'s parameters: the root unit may still be gathered after an
+        evaluation's forward, so it is resharded first, then whole tensors become this rank's rows."""
         self.reshard()
-        for name, param in owner._parameters.items():
-            value = state_dict.get(prefix + name)
-            whole = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-            if whole and isinstance(param, DTensor) and value.shape == param.shape:
-                state_dict[prefix + name] = rows_of(value, param)
+        rows_of_whole_tensors(owner, state_dict, prefix)
 
 
 def precision_policy(config: ZeroConfig, module: nn.Module) -> MixedPrecisionPolicy | None:
@@ -275,32 +251,6 @@ def masters_in_fp32(module: nn.Module) -> None:
     """Make the 16-bit parameters fp32 before ``fully_shard``: its shards are then the optimizer's fp32 masters."""
     for param in module.parameters():
         param.data = param.data.float()
-
-
-def check_plain_loss(loss: object) -> None:
-    """Refuse a loss computed from a unit's shard before it reaches backward."""
-    if isinstance(loss, DTensor):
-        raise RuntimeError(f"The loss is a DTensor of placements {loss.placements}.\n{_SHARD_OUTSIDE_FORWARD}")
-
-
-def check_even_batches(counts: list[float], loop: str, group: ProcessGroup) -> None:
-    """Before an evaluation loop (``"validation"``, ``"test"`` or ``"predict"``): every rank must run the same number
-    of batches, or the ranks that run more would wait forever in a unit's all-gather. One collective compares the
-    ``counts`` (one per dataloader) of all ranks; an unknown count (``inf``: an iterable without a length) cannot be
-    compared."""
-    everyone: list[list[float]] = [[] for _ in range(group.size())]
-    with torch.profiler.record_function("lightning_zero::check_even_batches"):
-        dist.all_gather_object(everyone, [float(c) for c in counts], group=group)
-    if all(c == everyone[0] for c in everyone) and math.inf not in everyone[0]:
-        return
-    shown = ", ".join(f"rank {r}: {[c if c == math.inf else int(c) for c in cs]}" for r, cs in enumerate(everyone))
-    limit = "val" if loop == "validation" else loop
-    raise RuntimeError(
-        f"ZeRO stage 3 needs every rank to run the same, known number of {loop} batches (each forward all-gathers"
-        f" parameters from all ranks), but the dataloaders give {shown}. HINT: keep Lightning's distributed sampler"
-        " (`Trainer(use_distributed_sampler=True)`, which pads every rank to the same length), give every rank a"
-        f" dataset of the same size, or set `limit_{limit}_batches` to an int that every rank reaches."
-    )
 
 
 def gathered_bytes(params: list[nn.Parameter], world_size: int, param_dtype: torch.dtype | None) -> int:

@@ -1,0 +1,265 @@
+"""Stage 3 on the package's engine: the module holds only this rank's rows of each parameter; a unit is gathered for
+its forward and again for its backward, and released after each; gradients are reduce-scattered by the stage-2
+reducer, a bucket per unit.
+
+The hooks, per unit (see :mod:`.units` for the words):
+
+- before its forward: gather it (if released) and let its modules hold the whole parameters; with gradients on,
+  mark its inputs so that its release follows its backward (:class:`_ReleaseAfterBackward`);
+- after its forward: its modules hold the shards again and a unit but the root is released; with gradients on, a
+  hook on its outputs gathers it again when backward reaches them, its modules holding the whole parameters until
+  it is released. The root stays gathered through the step: a step runs
+  as the root's forward (:meth:`Stage3Engine.run_as_forward`), whatever it calls;
+- in backward: each parameter's gradient is staged into its unit's bucket as it is accumulated, and the bucket is
+  reduce-scattered once complete (:class:`~lightning_zero._engine.reducers.ReduceScatterReducer`); when the backward
+  of the unit's inputs is done it is released; at the end of backward every unit still gathered (the root, units
+  whose inputs needed no gradient) is.
+
+Recomputed forwards (activation checkpointing) run during backward: they gather where needed and release nothing,
+the backward that follows them does. A unit's modules hold the whole parameters from its gather to its release, at
+rest the shards. Every rank gathers the units in the same order, each collective labelled with
+its unit (:mod:`lightning_zero._transport.labels`), and the ranks meet at the end of each forward of the whole module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+
+from lightning_zero._engine.layout import ShardSpec
+from lightning_zero._engine.loss_scaler import LossScaler
+from lightning_zero._engine.pool import BufferPool
+from lightning_zero._engine.reducers import ReduceScatterReducer
+from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._stage3.units import Unit, UnitState
+from lightning_zero._transport import activity, labels, shared_memory
+from lightning_zero._transport.mesh import DataParallelMesh
+
+
+class Phase(Enum):
+    """Where the module is within a step."""
+
+    IDLE = auto()  # between steps, or in a forward
+    BACKWARD = auto()  # backward has started: forwards now are recomputations
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward (the unit's backward done) releases the unit."""
+
+    @staticmethod
+    def forward(ctx: Any, release: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.release = release
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.release()
+        return (None, *grads)
+
+
+class Stage3Engine:
+    """Shards ``module``'s parameters into ``units`` (deepest first; the module itself is the root, last) and runs the
+    hooks the module docstring describes. 0-dim parameters are replicated: every rank keeps all of each."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[nn.Module],
+        mesh: DataParallelMesh,
+        device: torch.device,
+        store_dtype: dict[torch.dtype, torch.dtype] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.group = mesh.shard_group
+        self.pool = BufferPool()
+        self.replicated = [p for p in module.parameters() if p.dim() == 0]
+        paths = {m: path for path, m in module.named_modules()}
+        kind = type(module).__name__
+        self.units: list[Unit] = []
+        taken = {id(p) for p in self.replicated}
+        for unit_module in [*units, module]:
+            params = [p for p in unit_module.parameters() if id(p) not in taken]
+            taken.update(id(p) for p in params)
+            path = paths[unit_module]
+            self.units.append(
+                Unit(path, unit_module, params, store_dtype or {}, self.group, mesh.shard, device,
+                     labels.unit_gather(kind, path))
+            )  # fmt: skip
+        for param in self.replicated:
+            param.data = param.data.to(device)
+        self.replicated_sharded = [ShardedParam(p, ShardSpec(p.shape, self.group.size()), mesh.shard)
+                                   for p in self.replicated]  # fmt: skip
+        self.root = self.units[-1]
+        for unit in self.units:
+            unit.release()
+        self.phase = Phase.IDLE
+        self.reducer: ReduceScatterReducer | None = None  # with the optimizers
+        self._forwards = 0  # forwards of the whole module under way
+        self._channel = shared_memory.channel(self.group) if self.group.size() > 1 else None
+        for unit, unit_module in zip(self.units, [*units, module], strict=True):
+            unit_module.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True)
+            unit_module.register_forward_hook(self._after_forward(unit))
+
+    # --- what the optimizers step on ------------------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> list[ShardedParam]:
+        """Every parameter as its shard: the units', then the replicated ones."""
+        return [s for unit in self.units for s in unit.sharded] + self.replicated_sharded
+
+    def by_param(self) -> dict[int, ShardedParam]:
+        """Each parameter's :class:`ShardedParam` by the ``id`` of what the module holds at rest (a shard, or a
+        replicated parameter itself)."""
+        held = {id(s.shard): s for unit in self.units for s in unit.sharded}
+        held.update({id(s.param): s for s in self.replicated_sharded})
+        return held
+
+    def reduce_gradients(self, reduce_dtype: torch.dtype | None, scaler: LossScaler | None) -> ReduceScatterReducer:
+        """Start reducing the gradients of the parameters trained now: a bucket per unit, in the order backward
+        reaches them (the root, gathered first in forward, last), then the replicated ones."""
+        if self.reducer is None:
+            buckets = [[s for s in unit.sharded if s.param.requires_grad] for unit in reversed(self.units[:-1])]
+            buckets.append([s for s in self.root.sharded if s.param.requires_grad])
+            buckets.append([s for s in self.replicated_sharded if s.param.requires_grad])
+            buckets = [b for b in buckets if b]
+            self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler)
+        return self.reducer
+
+    # --- what it holds beyond the module and the optimizers (a ``lightning_zero.memory.BufferHolder``) --------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return [] if self.reducer is None else self.reducer.kept_buffers()
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return []  # the shards are the masters
+
+    def communication_bytes(self) -> int:
+        return self.pool.nbytes()
+
+    # --- the hooks ------------------------------------------------------------------------------------------------
+
+    def _before_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            if unit is self.root:
+                self._forwards += 1
+            unit.gather(self.pool)
+            unit.hold_whole()
+            if unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE:
+                args, kwargs = _released_after_backward(unit.release, args, kwargs)
+            return args, kwargs
+
+        return hook
+
+    def _after_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if unit is self.root:
+                self._forwards -= 1
+                if self._forwards > 0:  # a forward of the whole module inside a step: the root stays as it is
+                    return
+            if self.phase is Phase.BACKWARD:  # a recomputation: its backward comes next, gathered
+                return
+            if torch.is_grad_enabled():
+                _before_backward_of(output, self._backward_reaches(unit))
+            if unit is self.root:
+                unit.hold_shards()
+                self._end_of_forward()
+            else:
+                unit.release()
+
+        return hook
+
+    def _backward_reaches(self, unit: Unit) -> Callable[[Any], None]:
+        def hook(_: Any) -> None:
+            if self.phase is Phase.IDLE:
+                self.phase = Phase.BACKWARD
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+            unit.gather(self.pool)
+            unit.hold_whole()  # a recomputation (activation checkpointing) may call its forward directly
+
+        return hook
+
+    def _end_of_forward(self) -> None:
+        """Every rank meets the others at the end of the outermost forward of the whole module."""
+        activity.entered(labels.END_OF_FORWARD)
+        if self._channel is not None:
+            self._channel.meet(labels.END_OF_FORWARD)
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units:
+            unit.release()
+        self.phase = Phase.IDLE
+
+    # --- around steps ---------------------------------------------------------------------------------------------
+
+    def run_as_forward(self, forward: Callable[[], Any]) -> Any:
+        """Run ``forward`` (a step of the LightningModule, called as the root's forward)."""
+        return forward()
+
+    def at_rest(self) -> None:
+        """Every unit released, the modules holding the shards (after an evaluation, the root stays gathered)."""
+        for unit in self.units:
+            unit.release()
+
+    def after_step(self) -> None:
+        """The optimizer updated the shards: a unit still gathered is released, and the root, inside a step that
+        steps the optimizer itself (manual optimization), gathered again with the new values."""
+        for unit in self.gathered:
+            unit.release()
+        if self._forwards > 0:
+            self.root.gather(self.pool)
+            self.root.hold_whole()
+
+    def settle(self) -> None:
+        """After an exception aborted a step: every unit at rest, the step's gradient reduction abandoned."""
+        self._forwards = 0
+        self.phase = Phase.IDLE
+        self.at_rest()
+        if self.reducer is not None:
+            self.reducer.abandon()
+
+    @property
+    def gathered(self) -> list[Unit]:
+        return [u for u in self.units if u.state is UnitState.GATHERED]
+
+
+def _tensors_needing_grad(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (nested in tuples, lists and mappings) that autograd will reach."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_needing_grad(item)]
+    if isinstance(value, Mapping):
+        return [t for item in value.values() for t in _tensors_needing_grad(item)]
+    return []
+
+
+def _before_backward_of(output: Any, hook: Callable[[Any], None]) -> None:
+    """``hook`` runs once backward reaches any tensor of ``output``."""
+    tensors = _tensors_needing_grad(output)
+    if tensors:
+        register_multi_grad_hook(tensors, hook, mode="any")
+
+
+def _released_after_backward(
+    release: Callable[[], None], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The unit's inputs (top-level tensors) passed through :class:`_ReleaseAfterBackward`; a unit whose inputs need
+    no gradient is released at the end of backward."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not positions and not names:
+        return args, kwargs
+    marked = _ReleaseAfterBackward.apply(release, *(args[i] for i in positions), *(kwargs[k] for k in names))
+    new_args = list(args)
+    for i, tensor in zip(positions, marked, strict=False):
+        new_args[i] = tensor
+    new_kwargs = dict(kwargs)
+    for k, tensor in zip(names, marked[len(positions) :], strict=True):
+        new_kwargs[k] = tensor
+    return tuple(new_args), new_kwargs
