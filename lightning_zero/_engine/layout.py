@@ -21,35 +21,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How one parameter of ``shape`` is split across ``world_size`` ranks."""
+    """How one parameter of ``shape`` is split across ``world_size`` ranks (its derived sizes computed once: they are
+    asked for every parameter of every step)."""
 
     shape: torch.Size
     world_size: int
 
-    @property
+    @cached_property
     def replicated(self) -> bool:
         return len(self.shape) == 0
 
-    @property
+    @cached_property
     def rows_per_rank(self) -> int:
         return 1 if self.replicated else math.ceil(self.shape[0] / self.world_size)
 
-    @property
+    @cached_property
     def padded_rows(self) -> int:
         """Dim 0 padded so that every rank holds ``rows_per_rank`` rows: what a gather of all shards carries."""
         return self.rows_per_rank * self.world_size
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if not self.replicated else 1
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         """Size of this parameter's region in each chunk of a rank-major bucket."""
         return self.rows_per_rank * self.row_numel

@@ -18,6 +18,7 @@ collectives, as DDP's ``find_unused_parameters=True`` does.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 from enum import Enum, auto
 
 import torch
@@ -49,6 +50,13 @@ class GradHome(Enum):
     SHARD = auto()  # only this rank's shard, in ``shard.grad``; ``param.grad`` stays ``None``
 
 
+class Staging(Enum):
+    """When a bucket's gradients are copied into its collective's input."""
+
+    EACH_GRADIENT = auto()  # one by one, from each parameter's post-accumulate-grad hook
+    WHOLE_BUCKET = auto()  # together, when told every gradient of the bucket is accumulated (stage 3: a unit's)
+
+
 class BucketState(Enum):
     """Where a bucket is within one backward pass."""
 
@@ -61,8 +69,11 @@ class BucketState(Enum):
 class Bucket:
     """Parameters reduced together, and the state of their reduction in the current backward pass."""
 
-    def __init__(self, position: int, params: list[ShardedParam], dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, position: int, params: list[ShardedParam], dtype: torch.dtype | None, staging: Staging
+    ) -> None:
         self.position = position  # launch order, the same on every rank
+        self.staging = staging
         self.params = params
         self.dtype = dtype or params[0].param.dtype  # of the collective: the parameters' or the reduce dtype
         self.device = params[0].param.device
@@ -77,6 +88,8 @@ class Bucket:
         self.layout: NaturalLayout | RankMajorLayout | None = None
         self.regions: list[torch.Tensor] = []  # stage 1: each parameter's full gradient inside ``buffer``
         self.shard_grads: torch.Tensor | None = None  # stage 2, 1D (chunk_numel): this rank's gradient shards
+        # stage 2: where each gradient goes in ``buffer``, by the address of each pooled buffer it has had (a few)
+        self.slots: dict[int, list[torch.Tensor | list[torch.Tensor]]] = {}
         self.host_mirror: torch.Tensor | None = None  # stage 2 offloaded: ``shard_grads`` on the host, pinned
         self.streamed = False  # ``host_mirror`` is being filled on the copy stream in this backward
 
@@ -126,8 +139,14 @@ class GradientReducer:
         pool: BufferPool,
         reduce_dtype: torch.dtype | None = None,
         scaler: LossScaler | None = None,
+        whole: Collection[int] = (),
     ) -> None:
-        self.buckets = [Bucket(position, params, reduce_dtype) for position, params in enumerate(buckets)]
+        """``whole``: the positions of the buckets staged whole (:attr:`Staging.WHOLE_BUCKET`, see
+        :meth:`accumulated`); the others are staged gradient by gradient."""
+        self.buckets = [
+            Bucket(p, params, reduce_dtype, Staging.WHOLE_BUCKET if p in whole else Staging.EACH_GRADIENT)
+            for p, params in enumerate(buckets)
+        ]
         self.scaler = scaler
         # Gradients handed to the optimizer as copies (another dtype, or unscaled) no longer alias ``param.grad``.
         copies = scaler is not None or any(s.has_master for b in buckets for s in b)
@@ -149,9 +168,10 @@ class GradientReducer:
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
             self._build(bucket)
-            for index, sharded in enumerate(bucket.params):
-                hook = GradReady(self, bucket.position, index)
-                self._handles.append(sharded.param.register_post_accumulate_grad_hook(hook))
+            if bucket.staging is Staging.EACH_GRADIENT:
+                for index, sharded in enumerate(bucket.params):
+                    hook = GradReady(self, bucket.position, index)
+                    self._handles.append(sharded.param.register_post_accumulate_grad_hook(hook))
         if to_host:
             self._give_host_grads([b for b in self.buckets if any(s.grad_to_host for s in b.params)])
 
@@ -179,6 +199,11 @@ class GradientReducer:
         """Fill the slot of a parameter that produced no gradient on this rank with zeros and an absent flag."""
         raise NotImplementedError
 
+    def _stage_together(self, bucket: Bucket, indices: list[int]) -> None:
+        """Copy the gradients of the parameters at ``indices`` into the bucket's input (the first of this backward)."""
+        for index in indices:
+            self._stage(bucket, index, bucket.params[index])
+
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's asynchronous collective."""
         raise NotImplementedError
@@ -202,15 +227,36 @@ class GradientReducer:
                 " in the same backward pass. HINT: use non-reentrant activation checkpointing"
                 " (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`)."
             )
-        if not self._in_backward:
-            self._in_backward = True
-            Variable._execution_engine.queue_callback(self._finalize)
+        self._begin_backward()
         self._stage(bucket, index, bucket.params[index])
         if not bucket.staged[index]:
             bucket.staged[index] = True
             bucket.num_staged += 1
         bucket.state = BucketState.FILLING
         self._launch_ready_buckets()
+
+    def accumulated(self, position: int) -> None:
+        """Every gradient of the bucket at ``position`` (staged whole) is accumulated for this backward: they are
+        staged together, a parameter without one as absent, and the bucket launches in its turn."""
+        bucket = self.buckets[position]
+        if self.mode is ReduceMode.LOCAL and self.honours_local_accumulation:
+            return
+        self._begin_backward()
+        present = [i for i, s in enumerate(bucket.params) if s.param.grad is not None]
+        self._stage_together(bucket, present)
+        for index in sorted(set(range(len(bucket.params))) - set(present)):
+            self._stage_absent(bucket, index)
+            bucket.absent = True
+        bucket.staged = [True] * len(bucket.params)
+        bucket.num_staged = len(bucket.params)
+        bucket.state = BucketState.FILLING
+        self._launch_ready_buckets()
+
+    def _begin_backward(self) -> None:
+        """The first gradient of a backward: the reduction is finished at its end."""
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finalize)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
@@ -263,6 +309,8 @@ class GradientReducer:
         self._published = []
         self._next_launch = 0
         self._in_backward = False
+        for bucket in self.buckets:
+            bucket.slots.clear()  # views of pooled buffers a failed step may not have given back
 
     def _presence(self) -> list[list[bool]]:
         """Per bucket, whether each parameter had a gradient on some rank: known without a read where it had one
@@ -369,31 +417,75 @@ class ReduceScatterReducer(GradientReducer):
     def _input_chunks(self, bucket: Bucket) -> torch.Tensor:
         if bucket.buffer is None:
             bucket.buffer = self.pool.acquire(bucket.layout.numel, bucket.dtype, bucket.device)
-            chunks = bucket.layout.chunks(bucket.buffer)
-            chunks[:, bucket.layout.flags_offset :].zero_()
         return bucket.layout.chunks(bucket.buffer)
 
-    def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
+    def _slots(self, bucket: Bucket) -> list[torch.Tensor | list[torch.Tensor]]:
+        """Where each parameter's gradient goes in the bucket's input: a ``(world_size, rows x row)`` view across the
+        chunks where its rows split evenly (one copy), else one region per rank. Made once per input buffer."""
         chunks = self._input_chunks(bucket)
-        grad, layout, spec = sharded.param.grad, bucket.layout, sharded.spec
-        regions = [layout.region(chunks[r], index, r) for r in range(self.world_size)]
-        parts = [spec.take(grad, r) for r in range(self.world_size)]
-        if bucket.staged[index]:  # a second gradient for the same parameter in one backward
-            torch._foreach_add_(regions, parts)
+        slots = bucket.slots.get(chunks.data_ptr())
+        if slots is None:
+            layout = bucket.layout
+            slots = [
+                chunks[:, start : start + spec.padded_numel]
+                if spec.replicated or spec.shape[0] % self.world_size == 0
+                else [layout.region(chunks[r], index, r) for r in range(self.world_size)]
+                for index, (start, spec) in enumerate(zip(layout.offsets, layout.specs, strict=True))
+            ]
+            bucket.slots[chunks.data_ptr()] = slots
+        return slots
+
+    def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
+        slot = self._slots(bucket)[index]
+        grad = sharded.param.grad
+        again = bucket.staged[index]  # a second gradient for the same parameter in one backward
+        if isinstance(slot, torch.Tensor):
+            parts = self._across_chunks(grad, slot, sharded)
+            slot.add_(parts) if again else slot.copy_(parts)
         else:
-            torch._foreach_copy_(regions, parts)
-        chunks[:, layout.flags_offset + index] = 1
+            parts = [sharded.spec.take(grad, r) for r in range(self.world_size)]
+            torch._foreach_add_(slot, parts) if again else torch._foreach_copy_(slot, parts)
         sharded.param.grad = None
+
+    @staticmethod
+    def _across_chunks(grad: torch.Tensor, slot: torch.Tensor, sharded: ShardedParam) -> torch.Tensor:
+        """``grad`` shaped like its ``slot`` across the chunks: each rank's rows, or (replicated) all of it for each."""
+        return grad.reshape(1, -1).expand_as(slot) if sharded.spec.replicated else grad.reshape(slot.shape)
+
+    def _stage_together(self, bucket: Bucket, indices: list[int]) -> None:
+        """One multi-tensor copy for all of them."""
+        slots = self._slots(bucket)
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for index in indices:
+            sharded = bucket.params[index]
+            slot, grad = slots[index], sharded.param.grad
+            if isinstance(slot, torch.Tensor):
+                targets.append(slot)
+                sources.append(self._across_chunks(grad, slot, sharded))
+            else:
+                targets.extend(slot)
+                sources.extend(sharded.spec.take(grad, r) for r in range(self.world_size))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        for index in indices:
+            bucket.params[index].param.grad = None
 
     def _stage_absent(self, bucket: Bucket, index: int) -> None:
         chunks = self._input_chunks(bucket)
         start = bucket.layout.offsets[index]
         chunks[:, start : start + bucket.params[index].spec.padded_numel].zero_()
-        chunks[:, bucket.layout.flags_offset + index] = 0
 
     def _launch(self, bucket: Bucket) -> None:
         chunks = self._input_chunks(bucket)
-        chunks.div_(self.average_over)
+        flags = chunks[:, bucket.layout.flags_offset :]
+        flags.fill_(1)
+        if bucket.absent:  # this rank has no gradient for some parameter
+            for index, staged in enumerate(bucket.staged):
+                if not staged:
+                    flags[:, index].zero_()
+        if self.average_over > 1:
+            chunks.div_(self.average_over)
         fresh = all(s.shard.grad is None for s in bucket.params)
         output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
         bucket.output = output

@@ -40,6 +40,7 @@ from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._stage3.units import Unit, UnitState
 from lightning_zero._transport import activity, labels, shared_memory
 from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.torch_private import mark_sharded
 
 
 class Phase(Enum):
@@ -105,6 +106,7 @@ class Stage3Engine:
         for unit, unit_module in zip(self.units, [*units, module], strict=True):
             unit_module.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True)
             unit_module.register_forward_hook(self._after_forward(unit))
+        mark_sharded(module)
 
     # --- what the optimizers step on ------------------------------------------------------------------------------
 
@@ -124,11 +126,18 @@ class Stage3Engine:
         """Start reducing the gradients of the parameters trained now: a bucket per unit, in the order backward
         reaches them (the root, gathered first in forward, last), then the replicated ones."""
         if self.reducer is None:
-            buckets = [[s for s in unit.sharded if s.param.requires_grad] for unit in reversed(self.units[:-1])]
-            buckets.append([s for s in self.root.sharded if s.param.requires_grad])
-            buckets.append([s for s in self.replicated_sharded if s.param.requires_grad])
-            buckets = [b for b in buckets if b]
-            self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler)
+            buckets: list[list[ShardedParam]] = []
+            for unit in reversed(self.units[:-1]):  # staged whole as each unit's backward ends
+                trained = [s for s in unit.sharded if s.param.requires_grad]
+                unit.bucket = len(buckets) if trained else None
+                if trained:
+                    buckets.append(trained)
+            whole = range(len(buckets))
+            for rest in (self.root.sharded, self.replicated_sharded):  # staged gradient by gradient
+                trained = [s for s in rest if s.param.requires_grad]
+                if trained:
+                    buckets.append(trained)
+            self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler, whole=whole)
         return self.reducer
 
     # --- what it holds beyond the module and the optimizers (a ``lightning_zero.memory.BufferHolder``) --------------
@@ -151,7 +160,8 @@ class Stage3Engine:
             unit.gather(self.pool)
             unit.hold_whole()
             if unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE:
-                args, kwargs = _released_after_backward(unit.release, args, kwargs)
+                unit.forwards += 1
+                args, kwargs = _released_after_backward(self._backward_done(unit), args, kwargs)
             return args, kwargs
 
         return hook
@@ -184,6 +194,16 @@ class Stage3Engine:
 
         return hook
 
+    def _backward_done(self, unit: Unit) -> Callable[[], None]:
+        def done() -> None:
+            """The backward of the unit's inputs is done: its gradients are all accumulated, unless it ran more than
+            one forward in this step (the others' backward may still add to them: the end of backward stages them)."""
+            if self.reducer is not None and unit.bucket is not None and unit.forwards == 1:
+                self.reducer.accumulated(unit.bucket)
+            unit.release()
+
+        return done
+
     def _end_of_forward(self) -> None:
         """Every rank meets the others at the end of the outermost forward of the whole module."""
         activity.entered(labels.END_OF_FORWARD)
@@ -193,6 +213,7 @@ class Stage3Engine:
     def _end_of_backward(self) -> None:
         for unit in self.units:
             unit.release()
+            unit.forwards = 0
         self.phase = Phase.IDLE
 
     # --- around steps ---------------------------------------------------------------------------------------------

@@ -142,6 +142,8 @@ class Unit:
                     sharded = self.parts[part].sharded[index]
                     self._slots.append((owner._parameters, name, sharded.shard, sharded.param))
         self.state = UnitState.RELEASED
+        self.forwards = 0  # forwards with gradients in this step (until its backward ends)
+        self.bucket: int | None = None  # the reducer's bucket of its trained parameters, staged whole
 
     @property
     def sharded(self) -> list[ShardedParam]:
@@ -165,11 +167,14 @@ class Unit:
         if self.state is UnitState.GATHERED:
             return
         for part in self.parts:
+            part.take()
+            if part.world_size == 1 and part.rows.dtype == part.dtype:  # one rank: its rows are the whole
+                part.fill_whole(part.rows)
+                continue
             gathered = pool.acquire(part.layout.numel, part.dtype, part.device)
             chunk = part.layout.chunks(gathered)[part.rank]
             chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
             comm.all_gather(gathered, chunk, self.group, self.label).wait()
-            part.take()
             part.fill_whole(gathered)
             pool.release(gathered)
         self.state = UnitState.GATHERED

@@ -215,6 +215,14 @@ def shard_grad(shard: Any, local: torch.Tensor) -> torch.Tensor:
     return shard.to_sharded_dtensor(local)
 
 
+def mark_sharded(root: nn.Module) -> None:
+    """Mark ``root`` and its submodules the way ``fully_shard`` marks the modules it manages: Hugging Face's
+    ``generate`` then turns ``synced_gpus`` on by itself (every rank keeps running forwards until all are done, which
+    stage 3's gathers need), and ``torch.compile`` treats their parameters as inputs (they change between forwards)."""
+    for module in root.modules():
+        module._is_fsdp_managed_module = True  # type: ignore[assignment]
+
+
 def local_tensor(dtensor: DTensor) -> torch.Tensor:
     """The tensor holding this rank's part of ``dtensor``, itself: ``to_local`` gives a parameter a new view of it
     at every call in recent torch, and the identity of this one says whether the storage was replaced since."""
