@@ -33,6 +33,7 @@ from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.host import host_copies, pinned_views
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import labels
 from lightning_zero._transport.mesh import DataParallelMesh
 
 
@@ -74,6 +75,7 @@ class Bucket:
     ) -> None:
         self.position = position  # launch order, the same on every rank
         self.staging = staging
+        self.label = labels.REDUCE_SCATTER  # what its collective is for (stage 3: its unit's reduction)
         self.params = params
         self.dtype = dtype or params[0].param.dtype  # of the collective: the parameters' or the reduce dtype
         self.device = params[0].param.device
@@ -489,7 +491,7 @@ class ReduceScatterReducer(GradientReducer):
         fresh = all(s.shard.grad is None for s in bucket.params)
         output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
         bucket.output = output
-        bucket.work = comm.reduce_scatter_sum(output, bucket.buffer, self.group)
+        bucket.work = comm.reduce_scatter_sum(output, bucket.buffer, self.group, bucket.label)
         if self.replicas is not None:  # then this rank's shards across the shard groups
             replicas = self.replicas
             bucket.work = comm.Chained(bucket.work, [lambda: comm.all_reduce_sum(output, replicas)])

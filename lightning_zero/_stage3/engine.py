@@ -81,7 +81,7 @@ class Stage3Engine:
         self.pool = BufferPool()
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
         paths = {m: path for path, m in module.named_modules()}
-        kind = type(module).__name__
+        kind = self._kind = type(module).__name__
         self.units: list[Unit] = []
         taken = {id(p) for p in self.replicated}
         for unit_module in [*units, module]:
@@ -138,6 +138,9 @@ class Stage3Engine:
                 if trained:
                     buckets.append(trained)
             self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler, whole=whole)
+            for unit in self.units[:-1]:
+                if unit.bucket is not None:
+                    self.reducer.buckets[unit.bucket].label = labels.unit_reduce(self._kind, unit.path)
         return self.reducer
 
     # --- what it holds beyond the module and the optimizers (a ``lightning_zero.memory.BufferHolder``) --------------

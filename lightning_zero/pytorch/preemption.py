@@ -53,12 +53,18 @@ class Requeue(enum.Enum):
 
 
 class DeferredRequeue:
-    """Lightning's handler of the requeue signal, run at a training-batch start every rank agrees on."""
+    """Lightning's handler of the requeue signal, run at a training-batch start every rank agrees on.
+
+    The ranks agree through a one-element all-reduce on the run's device. On the CPU its result is read at once; on
+    a GPU reading it would make the host wait for the device every step, so it is copied to the host asynchronously
+    and read at the next batch start, a step later: every rank reads the same result at the same batch."""
 
     def __init__(self, signum: int, handler: Any) -> None:
         self._signum = signum
         self._handler = handler  # Lightning's own (it saves the checkpoint, rank 0 requeues the job)
         self.state = Requeue.IDLE
+        # on a GPU: the previous batch's agreement on its way to the host, and the event that says it has arrived
+        self._arriving: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     @classmethod
     def install(cls, trainer: Trainer) -> DeferredRequeue | None:
@@ -81,13 +87,32 @@ class DeferredRequeue:
         self.state = Requeue.SIGNALLED
 
     def at_batch_start(self, device: torch.device) -> None:
-        """Collective: if any rank was signalled, every rank runs Lightning's handler now."""
+        """Collective: if any rank was signalled (by the previous batch start, on a GPU), every rank runs Lightning's
+        handler now."""
         signalled = torch.tensor([int(self.state is Requeue.SIGNALLED)], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(signalled, op=dist.ReduceOp.MAX)
-        if signalled.item():
+        if device.type == "cpu":
+            agreed = bool(signalled.item())  # a host tensor: nothing to wait for
+        else:
+            agreed = self._arrived()
+            host = torch.empty(1, dtype=signalled.dtype, pin_memory=True)
+            host.copy_(signalled, non_blocking=True)
+            arrival = torch.cuda.Event()
+            arrival.record()
+            self._arriving = (host, arrival)
+        if agreed:
             self.state = Requeue.IDLE
+            self._arriving = None  # the flags sent meanwhile are this same signal's
             self._handler(self._signum, None)
+
+    def _arrived(self) -> bool:
+        """The previous batch's agreement, copied to the host a whole step ago (its event long complete)."""
+        if self._arriving is None:
+            return False
+        host, arrival = self._arriving
+        arrival.synchronize()
+        return bool(host.item())
 
 
 def resumable(path: Path, is_global_zero: bool) -> Path:
