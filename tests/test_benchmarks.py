@@ -74,3 +74,27 @@ def test_infinity_benchmark_measures_every_way_and_the_capacity_run(tmp_path: Pa
     assert done.stdout.count("Peak RSS before the first step") == 2  # the ways', then the capacity run's
     assert list(offload.iterdir()) == []  # each run's directory removed after it
     assert (tmp_path / "infinity.png").read_bytes().startswith(b"\x89PNG"), done.stdout
+
+
+def test_host_benchmark_times_and_profiles_each_strategy(tmp_path: Path) -> None:
+    """The host-time benchmark on one rank: a row of step times with the speed against ``ddp``, and the profile split
+    of each run into the framework's parts, which add up to the step."""
+    table = tmp_path / "host.md"
+    argv = [
+        sys.executable, "-m", "benchmarks.bench_host", "--world-sizes", "1", "--strategies", "ddp,zero3",
+        "--rounds", "1", "--steps", "3", "--warmup", "2", "--profile", "--out", str(table),
+        "--chart", str(tmp_path / "host.png"),
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = table.read_text().splitlines()
+    timed = [line for line in lines if line.startswith("| 1 | ") and line.count("|") == 4]
+    assert len(timed) == 1, table.read_text()
+    ddp_ms, zero3 = (cell.strip() for cell in timed[0].split("|")[2:4])
+    assert float(ddp_ms) > 0 and zero3.endswith("x)"), timed
+    profiled = [line.split(" | ") for line in lines if line.startswith("| 1 | ") and line.count("|") > 4]
+    assert [row[1] for row in profiled] == ["ddp", "zero3"], table.read_text()
+    for row in profiled:
+        step, parts = float(row[2]), [float(cell.strip(" |")) for cell in row[3:]]
+        assert step > 0 and sum(parts) == pytest.approx(step, rel=0.05), row  # the shares of one step
+    assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")

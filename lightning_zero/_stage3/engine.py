@@ -266,7 +266,9 @@ def _tensors_needing_grad(value: Any) -> list[torch.Tensor]:
 def _before_backward_of(output: Any, hook: Callable[[Any], None]) -> None:
     """``hook`` runs once backward reaches any tensor of ``output``."""
     tensors = _tensors_needing_grad(output)
-    if tensors:
+    if len(tensors) == 1:  # the usual case, and a tenth of the cost of a hook on several
+        tensors[0].register_hook(hook)
+    elif tensors:
         register_multi_grad_hook(tensors, hook, mode="any")
 
 
