@@ -19,8 +19,9 @@ zero2     whole       1/N        1/N             4 Psi + 12 Psi/N    2 Psi + 14 
 zero3     1/N         1/N        1/N             16 Psi/N            16 Psi/N
 ========  ==========  =========  ==============  ==================  ====================================
 
-With master weights, stage 3 keeps no separate copy: its fp32 parameter shards are the masters (``fully_shard``
-gathers them as bf16) and their gradient shards are fp32, so it holds 4 + 4 + 8 bytes per parameter / N.
+With master weights, stage 3 keeps no separate copy: its fp32 parameter shards are the masters (gathered as 16-bit)
+and its gradient shards are 16-bit, as stage 2's, so it holds 4 + 2 + 8 bytes per parameter / N; offloaded,
+``fully_shard`` keeps fp32 gradient shards: 4 + 4 + 8.
 
 ZeRO-Infinity (``offload_parameters="disk"``, the ``zero3_infinity`` row with ``disk=True``) holds stage 3's model
 state in files: its device and host memory hold only the units at work (and ``max_in_cpu`` parameter elements), which
@@ -52,8 +53,8 @@ class Sharding:
     gradients: bool
     optimizer: bool  # the optimizer state and, where kept, the fp32 master weights
     parameters_are_masters: bool = False
-    """With master weights, the sharded parameters themselves are the fp32 masters (``fully_shard`` gathers them as
-    16-bit to compute), and their gradient shards are fp32 too: same total, no separate master copy."""
+    """With master weights, the sharded parameters themselves are the fp32 masters (gathered as 16-bit to compute):
+    no separate master copy; their gradient shards are 16-bit (fp32 where ``fully_shard`` keeps them: offloaded)."""
 
 
 STRATEGIES: dict[str, Sharding] = {
@@ -174,9 +175,10 @@ def estimate(
     for name, sharding in STRATEGIES.items():
         held = _MASTER_BYTES if master_weights and sharding.parameters_are_masters else param_bytes
         master_bytes = _MASTER_BYTES if master_weights and not sharding.parameters_are_masters else 0
+        grad_bytes = held if offload else param_bytes
         per_rank = ModelStateBytes(
             parameters=_share(held * num_params, sharding.parameters, shards),
-            gradients=_share(held * trainable, sharding.gradients, shards),
+            gradients=_share(grad_bytes * trainable, sharding.gradients, shards),
             master_weights=_share(master_bytes * trainable, sharding.optimizer, shards),
             optimizer_state=_share(state_bytes * trainable, sharding.optimizer, shards),
         )

@@ -26,15 +26,18 @@ def totals(estimates: dict[str, Any]) -> dict[str, int]:
 
 def test_the_papers_example() -> None:
     """Figure 1 of the ZeRO paper: Psi = 7.5 B, N = 64, 16-bit parameters and gradients with fp32 master weights and
-    Adam state (K = 12): 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per device."""
+    Adam state (K = 12): 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per device. Stage 3 keeps its fp32 shards as the masters
+    and 16-bit gradient shards: 14 Psi / N, 1.6 GB; offloaded (``fully_shard``, fp32 gradient shards) the paper's 16."""
     got = estimate(7_500_000_000, num_ranks=64, precision="bf16-true", master_weights=True)
-    assert totals(got) == {"ddp": 120 * GB, "zero1": 31.40625 * GB, "zero2": 16.640625 * GB, "zero3": 1.875 * GB}
-    assert [round(t / GB, 1) for t in totals(got).values()] == [120.0, 31.4, 16.6, 1.9]
+    assert totals(got) == {"ddp": 120 * GB, "zero1": 31.40625 * GB, "zero2": 16.640625 * GB, "zero3": 1.640625 * GB}
+    assert [round(t / GB, 1) for t in totals(got).values()] == [120.0, 31.4, 16.6, 1.6]
     stage1 = got["zero1"].per_rank
     assert (stage1.parameters, stage1.gradients) == (2 * 7.5 * GB, 2 * 7.5 * GB)
     assert (stage1.master_weights, stage1.optimizer_state) == (4 * 7.5 * GB / 64, 8 * 7.5 * GB / 64)
-    stage3 = got["zero3"].per_rank  # the fp32 shards are the masters: 4 + 4 + 8, not 2 + 2 + 4 + 8
-    assert (stage3.parameters, stage3.gradients, stage3.master_weights) == (4 * 7.5 * GB / 64, 4 * 7.5 * GB / 64, 0)
+    stage3 = got["zero3"].per_rank  # the fp32 shards are the masters: 4 + 2 + 8, not 2 + 2 + 4 + 8
+    assert (stage3.parameters, stage3.gradients, stage3.master_weights) == (4 * 7.5 * GB / 64, 2 * 7.5 * GB / 64, 0)
+    offloaded = estimate(7_500_000_000, num_ranks=64, precision="bf16-true", master_weights=True, offload=True)
+    assert offloaded["zero3"].per_rank.total == 1.875 * GB
 
 
 def test_fp32_adam() -> None:
@@ -104,7 +107,7 @@ def test_table() -> None:
         "| `ddp` | 14.0 GiB | 14.0 GiB | 83.8 GiB | 111.8 GiB | 7.0 TiB |",
         "| `zero1` | 14.0 GiB | 14.0 GiB | 1.3 GiB | 29.2 GiB | 1.8 TiB |",
         "| `zero2` | 14.0 GiB | 223.5 MiB | 1.3 GiB | 15.5 GiB | 991.9 GiB |",
-        "| `zero3` | 447.0 MiB | 447.0 MiB | 894.1 MiB | 1.7 GiB | 111.8 GiB |",
+        "| `zero3` | 447.0 MiB | 223.5 MiB | 894.1 MiB | 1.5 GiB | 97.8 GiB |",
     ]
     offloaded = format_table(estimate(2**30, num_ranks=8, num_nodes=2, offload=True)).splitlines()
     assert offloaded[0] == (
@@ -118,7 +121,7 @@ def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "7.5e9", "--ranks", "64", "--precision", "bf16-true", "--master-weights"]) == 0
     out = capsys.readouterr().out
     assert "Model state of 7,500,000,000 parameters on 64 ranks (1 node), precision bf16-true" in out
-    assert "| `zero3` | 447.0 MiB | 447.0 MiB | 894.1 MiB | 1.7 GiB | 111.8 GiB |" in out
+    assert "| `zero3` | 447.0 MiB | 223.5 MiB | 894.1 MiB | 1.5 GiB | 97.8 GiB |" in out
     assert main(["estimate", "--params", "1e6", "--ranks", "6", "--nodes", "4"]) == 2
     assert "does not spread evenly over `num_nodes=4`" in capsys.readouterr().err
 
