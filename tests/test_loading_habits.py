@@ -118,8 +118,12 @@ def test_misdirected_loads_name_the_call_to_make(results: list[dict[str, Any]], 
 
 
 def test_torchs_warning_of_a_returned_view_comes_once_from_rank_zero(results: list[dict[str, Any]]) -> None:
+    """Offloaded stage 3 runs on ``fully_shard``, which warns of a unit returning a view on every rank: the user sees
+    it once, from rank 0. The package's own engine (stage 3 on the device) has nothing to warn of."""
     on_rank_zero = 1 if TORCH_WARNS_OF_VIEWS else 0
-    assert [per_rank["zero3"]["view_warnings"] for per_rank in results] == [on_rank_zero] + [0] * (len(results) - 1)
+    seen = [per_rank["zero3"]["view_warnings"] for per_rank in results]
+    assert [s["zero3_offload"] for s in seen] == [on_rank_zero] + [0] * (len(results) - 1)
+    assert [s["zero3"] for s in seen] == [0] * len(results)
 
 
 @pytest.mark.parametrize("strategy", ["zero2_full", "zero3_full"])

@@ -134,21 +134,27 @@ def test_matches_reference(offload_runs: list[dict[Any, Any]], name: str, strate
         compare_runs(results, spec, strategy)
         return
     # Stages 1 and 2: the 16-bit module weights round the (equal within ulps) fp32 masters, kept apart, so they compare
-    # at bf16's tolerance and the masters in fp32. Stage 3: the module's parameters are the fp32 masters. The
-    # optimizer state, of the masters, compares in fp32 either way.
+    # at bf16's tolerance and the masters in fp32, and the optimizer state, of the masters, in fp32. Stage 3: the
+    # module's parameters are the fp32 masters; its reference on the device runs on the package's engine and the
+    # offloaded run on `fully_shard`, whose bf16 gradient reductions round in another order: one bf16 rounding step
+    # per element and step, which Adam's normalised update carries into the masters, the moments and the losses, so
+    # its run compares at the tolerance of bf16 reductions in another order (tests/oracle.py).
     apart = strategy.name != "zero3"
+    other_order = BY_PRECISION["bf16-true"]  # stage 3's two runs: bf16 reductions in another order
     for rank, per_rank in enumerate(results):
         expected, actual = per_rank[(name, spec.reference.label)], per_rank[(name, strategy.label)]
         what = f"{name}/rank{rank}"
-        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses")
+        losses = FP32 if apart else other_order
+        close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), f"{what} losses", losses)
         assert ("masters" in actual) == ("masters" in expected) == apart, what
         assert actual["state_dict"].keys() == expected["state_dict"].keys(), what
         for key, value in expected["state_dict"].items():
-            close(actual["state_dict"][key], value, f"{what} {key}", BY_PRECISION["bf16-true"] if apart else FP32)
+            weights = BY_PRECISION["bf16-true"] if apart else other_order
+            close(actual["state_dict"][key], value, f"{what} {key}", weights)
         for got, want in zip(actual.get("masters", []), expected.get("masters", []), strict=True):
             close(got, want, f"{what} master")
         for i, (got, want) in enumerate(zip(actual["optimizers"], expected["optimizers"], strict=True)):
-            compare_optimizer_states(got, want, f"{what} optimizer{i}")
+            compare_optimizer_states(got, want, f"{what} optimizer{i}", FP32 if apart else other_order)
 
 
 @pytest.mark.slow
