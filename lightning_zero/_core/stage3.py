@@ -9,7 +9,6 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
@@ -60,10 +59,10 @@ class Stage3Mode(ParametersMode):
         module._apply(lambda t: t if t.is_meta else t.to(self.device))
         mesh = self._mesh()
         sync_from_rank_zero(module, mesh.world, skip=meta)  # meta ones are drawn from rank 0's generator
+        # decided on the module as built (the shards of 16-bit parameters are then the fp32 masters)
         precision = EnginePrecision.of(self.config, module, replaces_grad_scaler=False)
-        store = _master_dtypes(module, precision.master_dtype)
         units = choose_units(module, self.config.auto_wrap_policy)
-        self.engine = Stage3Engine(module, units, mesh, self.device, store)
+        self.engine = Stage3Engine(module, units, mesh, self.device, precision)
         for owner in module.modules():
             if any(isinstance(p, DTensor) for p in owner._parameters.values()):
                 owner.register_load_state_dict_pre_hook(self._whole_tensors_as_rows)
@@ -86,8 +85,8 @@ class Stage3Mode(ParametersMode):
         for optimizer in optimizers:
             self._adopt_shards(module, optimizer)
         if self.state is not LifeCycle.TRAINING:  # the first optimizers of this `fit`
-            precision = EnginePrecision.of(self.config, module, replaces_grad_scaler=grad_scaler_taken)
-            self._scaler = LossScaler(engine.group) if precision.loss_scaling else None
+            precision = engine.precision
+            self._scaler = LossScaler(engine.group) if precision.loss_scaling or grad_scaler_taken else None
             engine.reduce_gradients(precision.reduce_dtype, self._scaler)
         shards = engine.by_param()
         wrapped: list[Optimizer] = []
@@ -156,10 +155,3 @@ class Stage3Mode(ParametersMode):
     def settle_after_failure(self) -> None:
         if self.engine is not None:
             self.engine.settle()
-
-
-def _master_dtypes(module: nn.Module, master: torch.dtype | None) -> dict[torch.dtype, torch.dtype]:
-    """What each trained parameter dtype is kept in: ``master`` for 16-bit ones, with master weights."""
-    if master is None:
-        return {}
-    return {dtype: master for dtype in (torch.float16, torch.bfloat16) if dtype != master}

@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from lightning_zero._engine.engine import EnginePrecision
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
@@ -66,7 +67,9 @@ class _ReleaseAfterBackward(torch.autograd.Function):
 
 class Stage3Engine:
     """Shards ``module``'s parameters into ``units`` (deepest first; the module itself is the root, last) and runs the
-    hooks the module docstring describes. 0-dim parameters are replicated: every rank keeps all of each."""
+    hooks the module docstring describes. With ``precision``'s master dtype, 16-bit parameters are kept (and stepped)
+    in it and gathered in their own. 0-dim parameters are replicated: every rank keeps all of each, in the dtype the
+    optimizer steps in."""
 
     def __init__(
         self,
@@ -74,9 +77,11 @@ class Stage3Engine:
         units: list[nn.Module],
         mesh: DataParallelMesh,
         device: torch.device,
-        store_dtype: dict[torch.dtype, torch.dtype] | None = None,
+        precision: EnginePrecision | None = None,
     ) -> None:
         self.mesh = mesh
+        self.precision = precision or EnginePrecision()
+        store_dtype = _kept_dtypes(self.precision.master_dtype)
         self.group = mesh.shard_group
         self.pool = BufferPool()
         self.replicated = [p for p in module.parameters() if p.dim() == 0]
@@ -89,11 +94,11 @@ class Stage3Engine:
             taken.update(id(p) for p in params)
             path = paths[unit_module]
             self.units.append(
-                Unit(path, unit_module, params, store_dtype or {}, self.group, mesh.shard, device,
+                Unit(path, unit_module, params, store_dtype, self.group, mesh.shard, device,
                      labels.unit_gather(kind, path))
             )  # fmt: skip
-        for param in self.replicated:
-            param.data = param.data.to(device)
+        for param in self.replicated:  # in the dtype the optimizer steps in: no gather casts them
+            param.data = param.data.to(device, store_dtype.get(param.dtype, param.dtype))
         self.replicated_sharded = [ShardedParam(p, ShardSpec(p.shape, self.group.size()), mesh.shard)
                                    for p in self.replicated]  # fmt: skip
         self.root = self.units[-1]
@@ -250,6 +255,13 @@ class Stage3Engine:
     @property
     def gathered(self) -> list[Unit]:
         return [u for u in self.units if u.state is UnitState.GATHERED]
+
+
+def _kept_dtypes(master: torch.dtype | None) -> dict[torch.dtype, torch.dtype]:
+    """What each parameter dtype is kept in: ``master`` for 16-bit ones, with master weights."""
+    if master is None:
+        return {}
+    return {dtype: master for dtype in (torch.float16, torch.bfloat16) if dtype != master}
 
 
 def _tensors_needing_grad(value: Any) -> list[torch.Tensor]:
