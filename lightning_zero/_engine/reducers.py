@@ -229,7 +229,7 @@ class GradientReducer:
                 " in the same backward pass. HINT: use non-reentrant activation checkpointing"
                 " (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`)."
             )
-        self._begin_backward()
+        self.backward_started()
         self._stage(bucket, index, bucket.params[index])
         if not bucket.staged[index]:
             bucket.staged[index] = True
@@ -243,7 +243,7 @@ class GradientReducer:
         bucket = self.buckets[position]
         if self.mode is ReduceMode.LOCAL and self.honours_local_accumulation:
             return
-        self._begin_backward()
+        self.backward_started()
         present = [i for i, s in enumerate(bucket.params) if s.param.grad is not None]
         self._stage_together(bucket, present)
         for index in sorted(set(range(len(bucket.params))) - set(present)):
@@ -254,8 +254,9 @@ class GradientReducer:
         bucket.state = BucketState.FILLING
         self._launch_ready_buckets()
 
-    def _begin_backward(self) -> None:
-        """The first gradient of a backward: the reduction is finished at its end."""
+    def backward_started(self) -> None:
+        """A backward is under way (its first gradient, or, for buckets staged whole, its first unit): the reduction
+        is finished at its end, whatever is staged by then."""
         if not self._in_backward:
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._finalize)

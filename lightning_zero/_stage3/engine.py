@@ -197,6 +197,8 @@ class Stage3Engine:
             if self.phase is Phase.IDLE:
                 self.phase = Phase.BACKWARD
                 Variable._execution_engine.queue_callback(self._end_of_backward)
+                if self.reducer is not None:  # units run twice stage their gradients only at the end
+                    self.reducer.backward_started()
             unit.gather(self.pool)
             unit.hold_whole()  # a recomputation (activation checkpointing) may call its forward directly
 
