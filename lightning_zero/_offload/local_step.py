@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from enum import Enum, auto
 from typing import Any
 
 import torch
@@ -70,14 +71,26 @@ class _Alias:
         self.local_state: dict[str, Any] | None = None  # its local views, as the step last left them
         self.local_values: tuple[Any, ...] = ()
 
+    def forget_state(self) -> None:
+        self.shard_state, self.shard_values, self.local_state, self.local_values = None, (), None, ()
+
+
+class Views(Enum):
+    """Whether the local views of the optimizer state outlive a step."""
+
+    KEPT = auto()  # made once and checked at each step: the state stays where it is between steps
+    PER_STEP = auto()  # made at each step and let go after it: the state moves after each step (into files), and
+    # views kept would hold its old memory
+
 
 class LocalStep:
     """Runs an elementwise optimizer's step on its shards' local tensors (see the module). Holds no optimizer: it
     lives beside one (a weak mapping or its wrapper), and the optimizer's groups and state are read at each step, so
     that loading a checkpoint (which replaces them) needs nothing of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, views: Views = Views.KEPT) -> None:
         self._aliases: dict[int, tuple[DTensor, _Alias]] = {}  # by the shard's ``id``; the shard keeps the id its own
+        self._views = views
 
     @contextmanager
     def applied(self, optimizer: Optimizer) -> Generator[None, None, None]:
@@ -112,6 +125,8 @@ class LocalStep:
                 _keep_new_state(shard_state, shard, local_state.get(stepping), alias)
                 if alias is not None:
                     alias.plain.grad = None
+                    if self._views is Views.PER_STEP:
+                        alias.forget_state()
 
     @contextmanager
     def around_step(self, optimizer: Optimizer) -> Generator[None, None, None]:

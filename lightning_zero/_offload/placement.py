@@ -40,7 +40,7 @@ from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
-from lightning_zero._offload.local_step import LocalStep, steps_locally
+from lightning_zero._offload.local_step import LocalStep, Views, steps_locally
 from lightning_zero._offload.page_cache import Writeback, page_cache_policy
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
@@ -111,7 +111,10 @@ class Placement:
         ``optimizer``, and whether it steps on their local tensors."""
         self._kernels[optimizer] = self.shard_kernels(optimizer)
         if steps_locally(optimizer):
-            self._local_steps[optimizer] = LocalStep()
+            self._local_steps[optimizer] = LocalStep(self.state_views)
+
+    #: whether views of the optimizer state may outlive a step (not where the state moves into files after it)
+    state_views: Views = Views.KEPT
 
     # --- every step -------------------------------------------------------------------------------------------------
 
@@ -229,6 +232,8 @@ class OnHost(Placement):
 class OnDisk(OnHost):
     """As :class:`OnHost`, with the optimizer state in memory-mapped files under ``directory`` (see
     :class:`~lightning_zero._offload.disk.DiskState`)."""
+
+    state_views = Views.PER_STEP
 
     def __init__(
         self,
