@@ -66,6 +66,7 @@ class Part:
         self._whole_bytes = self._whole_offsets[-1] * self.dtype.itemsize
         self._sizes = [spec.padded_numel for spec in self.specs]
         self._outs: list[torch.Tensor] = []  # where a gather lays each parameter out (see ``take``)
+        self._outs_flat = torch.empty(0)  # all of them, 1D
         self._shapes = [p.shape for p in params]
         # the whole parameters, empty until the first gather gives them their storage
         self.sharded = [
@@ -87,6 +88,9 @@ class Part:
 
     def fill_whole(self, gathered: torch.Tensor) -> None:
         """Lay out ``gathered`` (every rank's chunk, rank-major) as whole parameters."""
+        if self.world_size == 1:  # one chunk, laid out as the whole tensors are: one copy
+            self._outs_flat.copy_(gathered[: self.layout.flags_offset])
+            return
         chunks = self.layout.chunks(gathered)[:, : self.layout.flags_offset]
         torch.split_with_sizes_copy(chunks, self._sizes, dim=1, out=self._outs)
 
@@ -99,6 +103,7 @@ class Part:
             writable = self._whole.data
             offsets = zip(self._whole_offsets[:-1], self._whole_offsets[1:], self._sizes, strict=True)
             self._outs = [writable[start:end].view(self.world_size, size) for start, end, size in offsets]
+            self._outs_flat = writable
             for sharded, start, shape in zip(self.sharded, self._whole_offsets, self._shapes, strict=False):
                 sharded.param.data = self._whole[start : start + shape.numel()].view(shape)
             return
