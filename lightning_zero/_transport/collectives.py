@@ -7,8 +7,8 @@ exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its colle
 
 Gloo gives up on a peer after the process group's timeout; this package's errors then name the peers and what to do
 (:mod:`.peers`). Each collective records what it is for (:mod:`.activity`), so that the stall watchdog
-(:mod:`.watchdog`) can tell the ranks what each was doing long before that timeout; a failure in an exchange asks it
-whether the ranks went different ways, and the error then says so.
+(:mod:`lightning_zero._watchdog`) can tell the ranks what each was doing long before that timeout; a failure in an
+exchange asks it (:mod:`.stalls`) whether the ranks went different ways, and the error then says so.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 from lightning_zero._grouping import group_by
-from lightning_zero._transport import activity, labels, peers, shared_memory, watchdog
+from lightning_zero._transport import activity, labels, peers, shared_memory, stalls
 from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
@@ -91,9 +91,9 @@ def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
     except peers.PeerError as error:
         # a lost connection or the group's own timeout says what happened already: no round (its answers could take
         # the answer window more), only a verdict a peer reached
-        found = watchdog.check_now(ask=not (peers.connection_lost(error) or peers.timed_out(error)))
-        if found is not None:
-            raise found from error
+        found = stalls.check_now(ask=not (peers.connection_lost(error) or peers.timed_out(error)))
+        if found is not None:  # its release ended this exchange: gloo's own error (the cause) is only its symptom
+            raise found from error.__cause__ or error
         raise
 
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_zero._files import reserved_mapping
-from lightning_zero._transport import failures, labels, peers, shm_files, watchdog
+from lightning_zero._transport import failures, labels, peers, shm_files, stalls
 
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
@@ -364,7 +364,7 @@ class Channel:
             if deadline is None:  # that wait took min(_POLL_SECONDS, timeout) of it
                 deadline = time.monotonic() + timeout - min(_POLL_SECONDS, timeout)
                 left = deadline - time.monotonic()
-            if (found := watchdog.verdict()) is not None:  # the ranks went different ways, or a peer stopped
+            if (found := stalls.verdict()) is not None:  # the ranks went different ways, or a peer stopped
                 self._break(found)
             for rank in waiting.values():  # what a failed peer announced says more than its exit
                 if (error := self._failure_of(rank)) is not None:

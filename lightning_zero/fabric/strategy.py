@@ -158,6 +158,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             self._trained.append(trained)
             self._hooks.append(module.register_forward_pre_hook(partial(_before_forward, trained.mode)))
         trained.mode.setup_module(module, self.root_device)
+        self._in_run(trained.mode, module)
         self._report_due = self.config.memory_report
         return module
 
@@ -359,8 +360,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for mode in self._modes():
-            mode.teardown()
+        self._end_run(self._modes())
         super().teardown()
 
     @classmethod
