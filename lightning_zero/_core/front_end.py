@@ -7,6 +7,7 @@ import inspect
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport import failures
+from lightning_zero._transport.stalls import as_verdict
 from lightning_zero._watchdog import watchdog
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -129,6 +131,18 @@ class ZeroFrontEnd:
                 mode.teardown()
         else:
             self._run.end()
+
+    # The strategy's own collectives (Lightning's barriers and broadcasts, a Fabric user's `fabric.barrier()` and
+    # reductions) are torch's: one the stall watchdog released fails with its verdict, not gloo's "Connection closed".
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        as_verdict(partial(super().barrier, *args, **kwargs))  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return as_verdict(partial(super().broadcast, obj, src))  # type: ignore[misc]
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return as_verdict(partial(super().all_gather, tensor, group, sync_grads))  # type: ignore[misc]
 
     def _set_up_optimizers(
         self, mode: Mode, module: nn.Module, optimizers: list[Optimizer], plugin: Any

@@ -72,25 +72,25 @@ def install(
 def _label_own_collectives(
     fsdp_modules: list[nn.Module], group: ProcessGroup, where: dict[nn.Module, tuple[str, str]]
 ) -> shared_memory.Channel | None:
-    """A torch whose ``fully_shard`` keeps its own collectives (torch 2.8): they stay gloo's, and where the ranks
-    share a host they meet in the channel, labelled, just before each, so that ranks that run different units fail
-    at once rather than pair one unit's gather with another's (:mod:`.labels`)."""
+    """A torch whose ``fully_shard`` keeps its own collectives (torch 2.8): they stay gloo's, and the ranks meet,
+    labelled, just before each (in the shared-memory channel where they share a host, in gloo's point-to-point
+    messages otherwise: :func:`lightning_zero._transport.collectives.meet`), so that ranks that run different units
+    fail at once rather than pair one unit's gather with another's, or with Lightning's broadcast
+    (:mod:`lightning_zero._transport.labels`)."""
     for module in fsdp_modules:
         # `fully_shard` averages by asking gloo for `ReduceOp.AVG`, which gloo sums instead, silently: have it sum,
         # and `fully_shard` divide the result
         assert isinstance(module, FSDPModule)
         module.set_force_sum_reduction_for_comms(True)
     channel = shared_memory.channel(group)
-    if channel is None:
-        _record_own_collectives(fsdp_modules, where)
-        return None
-    _around_own_collectives(fsdp_modules, where, channel.meet)
+    meet = channel.meet if channel is not None else partial(comm.meet, group=group)
+    _around_own_collectives(fsdp_modules, where, meet)
     return channel
 
 
 def _record_own_collectives(fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]]) -> None:
-    """Where ``fully_shard`` keeps its own collectives (NCCL; gloo on torch 2.8 without shared memory): each unit's
-    gather and reduction is recorded as it starts, for the stall watchdog (:mod:`lightning_zero._transport.activity`),
+    """Where ``fully_shard`` keeps its own collectives on NCCL: each unit's gather and reduction is recorded as it
+    starts, for the stall watchdog (:mod:`lightning_zero._transport.activity`),
     and one the watchdog released fails with its verdict (:func:`~lightning_zero._transport.stalls.as_verdict`)."""
     _around_own_collectives(fsdp_modules, where, activity.entered)
 

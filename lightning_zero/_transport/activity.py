@@ -31,6 +31,8 @@ from lightning_zero._transport import labels
 
 _TRANSPORT = str(Path(__file__).parent)
 _TORCH_DISTRIBUTED = str(Path(torch.__file__).parent / "distributed")
+# the frames a user's line is looked for beyond: torch's and this package's
+_NOT_USERS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 BEFORE_ANY = labels.label("its start: no collective of lightning_zero yet")
 _entered = BEFORE_ANY
@@ -117,12 +119,8 @@ def doing() -> str:
     return labels.words(_entered)
 
 
-def _outside(file: str) -> bool:
-    return not (file.startswith(_TRANSPORT) or file.startswith(_TORCH_DISTRIBUTED))
-
-
 def _caller(frame: FrameType | None) -> str:
-    while frame is not None and not _outside(frame.f_code.co_filename):
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
         frame = frame.f_back
     if frame is None:
         return "?"

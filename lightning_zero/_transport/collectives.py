@@ -27,6 +27,7 @@ from lightning_zero._transport.traffic import TRAFFIC
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+MEET_TAG = 0x5A0DD07  # the tag of a meeting's messages: no exchange of this package's, nor collective, uses it
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -174,6 +175,28 @@ def all_gather(
                 ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
         with _naming_peers(group):
             return Exchange(dist.batch_isend_irecv(ops), group)
+
+
+def meet(label: int, group: ProcessGroup) -> None:
+    """A barrier of gloo's point-to-point messages (tagged :data:`MEET_TAG`, so that no collective pairs with them)
+    where every rank of ``group`` says ``label``: ranks that are elsewhere fail here, on every rank alike, with
+    :class:`~.labels.DivergedError`, as at the shared-memory channel's meetings (:mod:`.labels`). Where torch 2.8's
+    ``fully_shard`` runs its own gloo collectives, which pair by count whatever each rank runs, one of a unit paired
+    with another unit's, or with Lightning's broadcast, would end the process in gloo (``op.preamble.length <=
+    op.nbytes``): a meeting before each keeps them apart."""
+    activity.entered(label)
+    me = group.rank()
+    said = torch.full((group.size(),), label, dtype=torch.int64)
+    ops = []
+    for peer in range(group.size()):
+        if peer != me:
+            peer_rank = dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, said[me : me + 1], peer_rank, group, MEET_TAG))
+            ops.append(dist.P2POp(dist.irecv, said[peer : peer + 1], peer_rank, group, MEET_TAG))
+    with _naming_peers(group):
+        Exchange(dist.batch_isend_irecv(ops), group).wait()
+    if (said != label).any():
+        raise labels.diverged(me, dict(enumerate(said.tolist())))
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup) -> None:

@@ -52,13 +52,21 @@ def end_started_ranks() -> None:
         if not running:
             return
         for proc in running:
-            if _stopped(proc):  # it would neither end nor act on SIGTERM until continued
-                proc.kill()
-            elif ending is not None:
-                proc.send_signal(ending)
+            stopped = _stopped(proc)  # it would neither end nor act on SIGTERM until continued
+            if stopped or ending is not None:
+                sent = signal.SIGKILL if stopped else ending
+                how = "is stopped" if stopped else f"still runs {GRACE_SECONDS:g} s after this one failed"
+                print(f"lightning_zero: rank {_rank_of(proc)} (PID {proc.pid}), started by this process, {how}:"
+                      f" sending it {sent.name}.", file=sys.stderr, flush=True)  # fmt: skip
+                proc.send_signal(sent)
         deadline = time.monotonic() + GRACE_SECONDS
         while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _rank_of(proc: subprocess.Popen) -> int:
+    """The local rank Lightning's launcher gave ``proc`` (ranks 1, 2, ... in the order started)."""
+    return next(rank for procs in _STARTED for rank, started in enumerate(procs, start=1) if started is proc)
 
 
 def _stopped(proc: subprocess.Popen) -> bool:

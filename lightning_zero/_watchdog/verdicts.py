@@ -173,11 +173,18 @@ def missing_error(
                 f"{dump} on rank {rank}'s host shows where; a rank that legitimately holds its interpreter that long"
                 f" needs a `stall_after` above it (now {window:g} s)"
             )
+    asker = asked["rank"]
+    if me in missing:  # this rank's interpreter runs again: the others gave up on it meanwhile
+        return peers.PeerError(
+            f"lightning_zero's stall watchdog on rank {asker} gave up on this rank, {who}: it gave no sign of life for"
+            f" the {silent_for:.0f} s after rank {asker} asked where every rank was, having waited {asked['still']:.0f}"
+            f" s for it; {why}. Where the others are: {what or 'none answered'}. HINT: {hint}."
+        )
     they = "it" if len(missing) == 1 else "they"
     return peers.PeerError(
         f"lightning_zero's stall watchdog on rank {me} gave up on {who}: {_waited(me, mine, asked)}, and {they} gave"
-        f" no sign of life for the {silent_for:.0f} s after rank {asked['rank']} asked where every rank was; {why}."
-        f" Where the others are: {what or 'none answered'}. HINT: {hint}."
+        f" no sign of life for the {silent_for:.0f} s after rank {asker} asked where every rank was; {why}. Where the"
+        f" others are: {what or 'none answered'}. HINT: {hint}."
     )
 
 

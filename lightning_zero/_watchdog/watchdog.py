@@ -322,10 +322,12 @@ class Watcher:
             watch.takes = (EXIT, self.last.scope)
         self.rounds.count_exit()
         if failed:
+            self._adopt(watch)  # its error may be a verdict's symptom (gloo's "Connection closed"): printed beside it
             return None
         waiting_since = time.monotonic()
         watch.asked_at = waiting_since
         while watch.verdict is None and self.rounds.exited() < self.size:
+            self._follow(watch)  # the thread may have failed: the main thread answers the others' rounds too
             self._adopt(watch)
             if watch.verdict is None and time.monotonic() - watch.asked_at >= watch.stall_after:
                 self.ask(watch, time.monotonic() - waiting_since)

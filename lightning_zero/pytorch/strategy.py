@@ -49,6 +49,7 @@ from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aw
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero._lightning_private import load_file
 from lightning_zero._transport import failures
+from lightning_zero._transport.stalls import as_verdict
 from lightning_zero._watchdog import watchdog
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
@@ -506,6 +507,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             )
         failures.note_other_failures(exception)
         watchdog.note_verdict(exception)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """As ``"ddp"``'s; released by the stall watchdog, it fails with the verdict."""
+        return as_verdict(partial(super().reduce, tensor, group, reduce_op))
 
     @classmethod
     @override
