@@ -3,7 +3,8 @@
 
 - One pair of processes runs one run after another (:func:`test_runs_in_turn_are_each_watched_afresh`): a rank busy in
   Python is waited for; a rank holding its interpreter in native code is named once it gave no sign of life for
-  ``stall_after``, never before; a failure of the watchdog's own thread fails the run, loudly, on both ranks; ranks
+  ``stall_after``, never before; a verdict's release reaches a call in a ``cpu:gloo`` group (as offloading's mixed
+  groups); a failure of the watchdog's own thread fails the run, loudly, on both ranks; ranks
   that run different code fail on both ranks with the error naming what each was doing, under Fabric in the middle of
   the sequence and at the end of the script under the Trainer. Each run after one that ended with a verdict is
   watched afresh.
@@ -37,6 +38,7 @@ NO_SHM = {"LIGHTNING_ZERO_SHM_DISABLE": "1"}
 STALL_AFTER = 2.0
 ASKED_WITHIN = STALL_AFTER + 2  # the wait a rank reports when it asked: the bound, and a tick on a loaded machine
 STEP_ENDED = "the end of a forward of the whole module"
+RUNS = ["busy_rank", "held_interpreter", "mixed_group", "watchdog_fails", "fabric_branch"]  # tests/workers/stalls.py
 GATHERS_BLOCK = "the all-gather of unit `model.transformer.h.0` of Generating's parameters (waiting in it for"
 
 
@@ -71,6 +73,8 @@ def test_runs_in_turn_are_each_watched_afresh(tmp_path: Path) -> None:
     logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)]
     assert codes == [1, 1], logs[0][-3000:] + logs[1][-3000:]
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):  # a rank whose run never ended by itself would have been ended, its later runs missing
+        assert list(seen[rank]) == RUNS, logs[rank][-3000:]
     pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in range(2)]
 
     # rank 0 busy in Python for 2.5 `stall_after`: asked about, answers, and is waited for
@@ -89,6 +93,14 @@ def test_runs_in_turn_are_each_watched_afresh(tmp_path: Path) -> None:
     assert named in logs[1], logs[1][-4000:]
     assert "rank 0's process runs, but its interpreter ran no Python for those" in logs[1]
     assert f"{verdict_line(0, 'PeerError')}lightning_zero's stall watchdog on rank 1 gave up on this rank" in logs[0]
+
+    # the ranks in different calls of torch's, rank 0 in a `cpu:gloo` group: both released, both fail at once
+    mixed = [s["mixed_group"] for s in seen]
+    assert mixed[0]["error"] is not None and mixed[1]["error"] is not None, mixed
+    assert abs(mixed[0]["at"] - mixed[1]["at"]) < 5, mixed  # not after the released thread's 10 s of grace
+    for rank, log in enumerate(logs):
+        both = rf"{re.escape(verdict_line(rank, 'DivergedError'))}.*rank 0: .*torch's `all_reduce`.*rank 1: .*`recv`"
+        assert re.search(both, log), log[-3000:]
 
     # rank 0's watchdog thread fails: named on its stderr, its next collective raises, rank 1 names the failure
     failed = [s["watchdog_fails"] for s in seen]

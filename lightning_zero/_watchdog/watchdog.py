@@ -105,6 +105,7 @@ class Watcher:
         self._on_group_gone: Callable[[], None] = _nothing
         self._still = Stillness()
         self._seen = 0  # the last round number this rank looked at
+        self._taken: dict[str, StallError] = {}  # the verdict taken in each scope
         self._lock = threading.RLock()  # rounds are answered and verdicts reached from this thread and the main one
         self._stopping = threading.Event()
         self._pipe = SignalPipe.install()
@@ -231,14 +232,18 @@ class Watcher:
         self._answer_up_to(latest, watch)
 
     def _adopt(self, watch: Watch) -> None:
-        """Take a verdict written in a scope ``watch`` takes, if one was."""
+        """Take a verdict written in a scope ``watch`` takes, if one was (told and released once per scope: the exit's
+        may have been taken in the run before)."""
         with self._lock:
             for scope in watch.takes:
                 if watch.verdict is not None:
                     return
+                if scope in self._taken:
+                    watch.verdict = self._taken[scope]
+                    return
                 found = self.rounds.verdict(scope)
                 if found is not None:
-                    self._reach(watch, found)
+                    self._reach(watch, found, scope)
 
     def _answer_up_to(self, number: int, watch: Watch) -> None:
         """Answer every round up to ``number`` not answered yet (ranks that ask at once ask different rounds)."""
@@ -279,7 +284,7 @@ class Watcher:
         asked = {"rank": self.rank, "window": watch.stall_after, "waited": time.monotonic() - asked_at, "still": still}
         found = verdicts.verdict_of(answers, self.size, watch.tick, places, failed, asked)
         if found is not None:
-            self._reach(watch, self.rounds.decide(watch.scope, found))
+            self._reach(watch, self.rounds.decide(watch.scope, found), watch.scope)
         return watch.verdict
 
     def _missing_are_gone(self, number: int) -> bool:
@@ -292,13 +297,14 @@ class Watcher:
             for rank in missing
         )
 
-    def _reach(self, watch: Watch, found: dict) -> None:
-        """Take the verdict ``found``: tell the user, and release the collective the main thread is blocked in."""
+    def _reach(self, watch: Watch, found: dict, scope: str) -> None:
+        """Take ``scope``'s verdict ``found``: tell the user, and release the collective the main thread is blocked
+        in."""
         with self._lock:
             if watch.verdict is not None:
                 return
             mine = verdicts.answer(activity.sample(skipping=_HERE), self._still_for(), watch.signalled)
-            watch.verdict = verdicts.error_of(found, self.rank, mine)
+            watch.verdict = self._taken[scope] = verdicts.error_of(found, self.rank, mine)
             print(
                 f"lightning_zero (rank {self.rank}): {type(watch.verdict).__name__}: {watch.verdict}",
                 file=sys.stderr,

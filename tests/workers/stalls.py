@@ -131,6 +131,26 @@ def held_interpreter(out: Path, stall_after: float) -> dict[str, Any]:
     return outcome(lambda: fit(2, stall_after, Steps(hold)))
 
 
+class InMixedGroup(Steps):
+    """At its second step, rank 0 all-reduces in a group made as ``cpu:gloo`` (a backend string other than "gloo", as
+    offloading's ``cpu:gloo,cuda:nccl``), which rank 1 never joins: it waits for a message from rank 0 instead."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.global_step != 2:
+            return
+        mixed = dist.new_group(backend="cpu:gloo")
+        if self.global_rank == 0:
+            dist.all_reduce(torch.ones(1), group=mixed)
+        else:
+            dist.recv(torch.empty(1), src=0)
+
+
+def mixed_group(out: Path, stall_after: float) -> dict[str, Any]:
+    """The ranks wait in different calls of torch's, rank 0 in a ``cpu:gloo`` group: the verdict's release reaches
+    rank 0's call too (gloo's side of the group closed), which then fails rather than keep the process to its end."""
+    return outcome(lambda: fit(2, stall_after, InMixedGroup()))
+
+
 def watchdog_fails(out: Path, stall_after: float) -> dict[str, Any]:
     """Rank 0's watchdog thread fails at its second step: its next collective raises, and rank 1 names rank 0's
     failure."""
@@ -171,7 +191,7 @@ def fabric_branch(out: Path, stall_after: float) -> dict[str, Any]:
     return outcome(loop)
 
 
-PHASES = [busy_rank, held_interpreter, watchdog_fails, fabric_branch]
+PHASES = [busy_rank, held_interpreter, mixed_group, watchdog_fails, fabric_branch]
 
 
 def runs_in_turn(out: Path, stall_after: float) -> None:
