@@ -26,7 +26,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from lightning_zero._transport.peers import PeerError
 from lightning_zero._watchdog import watchdog
 from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
 from tests.launch import read_payload
-from tests.scenarios import Divergence, cpu_trainer
+from tests.scenarios import Divergence, cpu_trainer, new_process_group
 
 STOPS_AT = 2  # the step at which rank 1 stops itself
 TIMEOUT = timedelta(seconds=120)  # the process group's: a stall the watchdog misses ends the test in minutes, not 30
@@ -204,23 +203,6 @@ def runs_in_turn(out: Path, stall_after: float) -> None:
     from tests.workers.divergent import run as diverge  # GPT-2 (transformers), imported for this run alone
 
     diverge(Divergence.VALIDATE, "zero3", False, stall_after)
-
-
-def new_process_group() -> None:
-    """Replace the process group (its connections closed by the verdict's release) with one on another port, agreed
-    through the old group's store, as a user who caught the error would."""
-    store = dist.distributed_c10d._get_default_store()
-    if rank() == 0:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        store.set("next_port", str(port))
-        store.get("next_port_taken")  # rank 0 holds the store: it goes only once rank 1 has read it
-    else:
-        port = int(store.get("next_port"))
-        store.set("next_port_taken", "1")
-    dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(port)
 
 
 # --- the other cases --------------------------------------------------------------------------------------------------
