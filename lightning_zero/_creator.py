@@ -84,6 +84,16 @@ class Creator:
         return Liveness.STOPPED if state in ("T", "t") else Liveness.RUNNING
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time the main thread of process ``pid`` (of this PID namespace) has used, in user and kernel mode; None
+    where ``/proc`` cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _start_time(pid: int) -> int:
     return _state_and_start(Path(f"/proc/{pid}/stat").read_text())[1]
 

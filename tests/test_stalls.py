@@ -2,12 +2,12 @@
 (``LIGHTNING_ZERO_SHM_DISABLE=1``: gloo's, the path of ranks on several hosts and the one NCCL takes).
 
 - One pair of processes runs one run after another (:func:`test_runs_in_turn_are_each_watched_afresh`): a rank busy in
-  Python is waited for; a rank holding its interpreter in native code is named once it gave no sign of life for
-  ``stall_after``, never before; a verdict's release reaches a call in a ``cpu:gloo`` group (as offloading's mixed
-  groups); a failure of the watchdog's own thread fails the run, loudly, on both ranks; ranks
-  that run different code fail on both ranks with the error naming what each was doing, under Fabric in the middle of
-  the sequence and at the end of the script under the Trainer. Each run after one that ended with a verdict is
-  watched afresh.
+  Python, or computing in native code that holds its interpreter, is waited for; a rank holding its interpreter in
+  native code, idle, is named once it gave no sign of life for ``stall_after``, never before; a verdict's release
+  reaches a call in a ``cpu:gloo`` group (as offloading's mixed groups); a failure of the watchdog's own thread fails
+  the run, loudly, on both ranks; ranks that run different code fail on both ranks with the error naming what each was
+  doing, under Fabric in the middle of the sequence and at the end of the script under the Trainer. Each run after one
+  that ended with a verdict is watched afresh.
 - A peer killed once its last step is done ends the job within ``stall_after`` and seconds, with the watchdog's thread
   of the rank left waiting made to fail: the exit's wait ends by itself.
 - A stopped peer is named within ``stall_after`` twice (its ask and its window), and the job's rank 0 ends the rank it
@@ -38,7 +38,7 @@ NO_SHM = {"LIGHTNING_ZERO_SHM_DISABLE": "1"}
 STALL_AFTER = 2.0
 ASKED_WITHIN = STALL_AFTER + 2  # the wait a rank reports when it asked: the bound, and a tick on a loaded machine
 STEP_ENDED = "the end of a forward of the whole module"
-RUNS = ["busy_rank", "held_interpreter", "mixed_group", "watchdog_fails", "fabric_branch"]  # tests/workers/stalls.py
+RUNS = ["busy_rank", "computing_rank", "held_interpreter", "mixed_group", "watchdog_fails", "fabric_branch"]
 GATHERS_BLOCK = "the all-gather of unit `model.transformer.h.0` of Generating's parameters (waiting in it for"
 
 
@@ -79,6 +79,11 @@ def test_runs_in_turn_are_each_watched_afresh(tmp_path: Path) -> None:
 
     # rank 0 busy in Python for 2.5 `stall_after`: asked about, answers, and is waited for
     assert [s["busy_rank"]["error"] for s in seen] == [None, None]
+
+    # rank 0 computing in native code that holds its interpreter for 2.5 `stall_after` at least: silent, but its main
+    # thread uses the CPU, a sign of life: waited for
+    assert [s["computing_rank"]["error"] for s in seen] == [None, None]
+    assert float((tmp_path / "computed_for").read_text()) >= 2 * STALL_AFTER  # a round asked, and its window passed
 
     # rank 0 holding its interpreter in native code for 4 `stall_after`: rank 1 names it, not before `stall_after`
     # of silence after its ask (itself `stall_after` into its wait), and rank 0 takes the verdict once back

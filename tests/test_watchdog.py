@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,29 @@ def test_a_stopped_or_gone_rank_is_named_as_such() -> None:
     assert "rank 0's process is gone: it ended without reaching its exit hook (killed: SIGKILL" in message
 
 
+def place_of(child: subprocess.Popen) -> dict[str, Any]:
+    namespace = this_process()["creator"].split("-")[0]
+    start = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return {"host": socket.gethostname(), "pid": child.pid, "creator": f"{namespace}-{child.pid}-{start}"}
+
+
+def test_a_silent_rank_computing_is_waited_for_and_one_idle_is_not() -> None:
+    """Two silent ranks' processes: one whose main thread computes (as native code that holds the GIL while it
+    computes), one whose main thread sleeps (as one blocked, or deadlocked, holding it)."""
+    computing = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.5)  # both started
+        assert silence_of(place_of(computing)) is Silence.COMPUTING
+        assert silence_of(place_of(idle)) is Silence.HELD
+        assert verdict({1: answer(Place.WAITING)}, places={0: place_of(computing)}) is None
+        assert verdict({1: answer(Place.WAITING)}, places={0: place_of(idle)}) is not None
+    finally:
+        for child in (computing, idle):
+            child.kill()
+            child.wait()
+
+
 def test_a_stopped_rank_is_named_stopped() -> None:
     child = subprocess.Popen(["sleep", "60"])
     try:
@@ -147,9 +171,7 @@ def test_a_stopped_rank_is_named_stopped() -> None:
         while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
             assert time.monotonic() < deadline, "the child never stopped"
             time.sleep(0.01)
-        namespace = this_process()["creator"].split("-")[0]
-        start = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        where = {"host": socket.gethostname(), "pid": child.pid, "creator": f"{namespace}-{child.pid}-{start}"}
+        where = place_of(child)
         assert silence_of(where) is Silence.STOPPED
         found = verdict({1: answer(Place.WAITING, seconds=10.0)}, places={0: where})
         assert found is not None

@@ -317,6 +317,8 @@ class Channel:
         if self._broken is not None:  # report it again at once: waiting another timeout would tell nothing new
             raise self._broken.with_traceback(None)
         if peers.timeouts_witnessed() != self._timeouts_seen:  # this rank already waited a timeout since they met
+            if (found := stalls.check_now(ask=False)) is not None:  # no: a verdict's release ended that collective
+                self._break(found)
             missing = peers.ranks(self._peers(), self._pids, one_of=True)
             pids = list(self._pids.values())
             self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, pids, peers.last_timeout()))

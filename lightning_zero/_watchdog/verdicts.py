@@ -8,8 +8,9 @@ Words used below:
   and a signal it received while blocked.
 - *missing*: a rank that did not answer within the round's window, so gave no sign of life for that long. Its *silence*
   is what can be told of it from the asker's host (:class:`Silence`): its process exited, is stopped, or runs while its
-  interpreter does not (native code holding the GIL: an extension call that does not release it, or a hang there); on
-  another host or PID namespace nothing can be told.
+  interpreter does not (native code holding the GIL: an extension call that does not release it, or a hang there). A
+  silent rank whose main thread computes (uses the CPU: an extension computing while it holds the GIL) gives that
+  sign of life, and is waited for as a busy one is; on another host or PID namespace nothing can be told.
 - *verdict*: :class:`~lightning_zero._transport.labels.DivergedError` when the ranks wait in different places (code
   that differs between ranks); :class:`~lightning_zero._transport.peers.PeerError` when a rank is missing, failed (it
   announced its error) or received a signal while blocked; none when every rank answered and none is stuck elsewhere
@@ -24,9 +25,10 @@ import enum
 import os
 import signal
 import socket
+import time
 from typing import Any
 
-from lightning_zero._creator import Creator, Liveness
+from lightning_zero._creator import Creator, Liveness, cpu_seconds
 from lightning_zero._transport import activity, failures, labels, peers
 from lightning_zero._transport.activity import Place
 from lightning_zero._transport.stalls import StallError
@@ -39,8 +41,13 @@ class Silence(enum.Enum):
 
     EXITED = "exited"
     STOPPED = "stopped"
-    HELD = "held"  # running, its interpreter silent
+    HELD = "held"  # running, its interpreter silent and its main thread idle: native code blocked while holding it
+    COMPUTING = "computing"  # its interpreter silent, its main thread computing in native code: busy, waited for
     UNKNOWN = "unknown"  # another host or PID namespace
+
+
+COMPUTING_LOOK_SECONDS = 0.5  # how long the main thread of a silent rank is watched for CPU use
+COMPUTING_SHARE = 0.25  # the share of one core it must use in that time to be computing
 
 
 def place() -> dict[str, Any]:
@@ -49,8 +56,9 @@ def place() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "creator": None if me is None else me.tag}
 
 
-def silence_of(where: dict[str, Any] | None) -> Silence:
-    """What this host can tell of the process a rank published as its place (``None``: none published)."""
+def silence_of(where: dict[str, Any] | None, *, cpu: bool = True) -> Silence:
+    """What this host can tell of the process a rank published as its place (``None``: none published); without
+    ``cpu``, a running process is not watched for CPU use (taken as held)."""
     if where is None or where["host"] != socket.gethostname() or where["creator"] is None:
         return Silence.UNKNOWN
     mine, theirs = Creator.this_process(), Creator.from_tag(where["creator"])
@@ -62,9 +70,19 @@ def silence_of(where: dict[str, Any] | None) -> Silence:
         case Liveness.STOPPED:
             return Silence.STOPPED
         case Liveness.RUNNING:
-            return Silence.HELD
+            return Silence.COMPUTING if cpu and _computing(theirs.pid) else Silence.HELD
         case Liveness.UNKNOWN:
             return Silence.UNKNOWN
+
+
+def _computing(pid: int) -> bool:
+    """Whether the main thread of process ``pid`` uses the CPU (a share of one core of :data:`COMPUTING_SHARE` at
+    least, over :data:`COMPUTING_LOOK_SECONDS`): native code that holds the interpreter while it computes, as opposed
+    to one blocked, sleeping or deadlocked while holding it."""
+    before = cpu_seconds(pid)
+    time.sleep(COMPUTING_LOOK_SECONDS)
+    after = cpu_seconds(pid)
+    return before is not None and after is not None and after - before >= COMPUTING_SHARE * COMPUTING_LOOK_SECONDS
 
 
 def answer(sample: activity.Sample | None, still_for: float, signalled: int | None) -> Answer:
@@ -94,8 +112,10 @@ def verdict_of(
     ``window`` and how long it ``waited`` for the answers. None: no rank is stuck."""
     missing = [rank for rank in range(size) if rank not in answers]
     signalled = [rank for rank, a in answers.items() if a["signal"]]
+    silent = {str(rank): _missing(places.get(rank)) for rank in missing if rank not in failed}
+    if all(entry["silence"] == Silence.COMPUTING.value for entry in silent.values()):  # busy in native code
+        silent, missing = {}, [rank for rank in missing if rank in failed]
     if missing or signalled:
-        silent = {str(rank): _missing(places.get(rank)) for rank in missing}
         announced = {str(rank): failed[rank] for rank in missing if rank in failed}
         return {"kind": "peer", "missing": silent, "failed": announced, "signalled": signalled, "answers": answers,
                 "asked": asked}  # fmt: skip
@@ -140,7 +160,7 @@ def missing_error(
 ) -> peers.PeerError:
     """The error of rank ``me`` when the ranks ``missing`` (rank -> its silence and PID) gave no sign of life for the
     round's window."""
-    rank = min(missing)
+    rank = min(r for r, entry in missing.items() if entry["silence"] != Silence.COMPUTING.value)  # one stuck
     silence, pid = Silence(missing[rank]["silence"]), missing[rank]["pid"]
     who = peers.ranks(sorted(missing), {r: e["pid"] for r, e in missing.items() if e["pid"] is not None})
     window, silent_for = asked["window"], asked["waited"]

@@ -293,7 +293,7 @@ class Watcher:
         missing = [rank for rank in range(self.size) if rank not in self.rounds.answers(number)]
         return all(
             failures.announced(rank) is not None
-            or verdicts.silence_of(self.rounds.place_of(rank)) is verdicts.Silence.EXITED
+            or verdicts.silence_of(self.rounds.place_of(rank), cpu=False) is verdicts.Silence.EXITED
             for rank in missing
         )
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
+import re
 import signal
 import sys
 import time
@@ -119,6 +121,32 @@ def busy_rank(out: Path, stall_after: float) -> dict[str, Any]:
     return outcome(lambda: fit(2, stall_after, Steps(lambda: time.sleep(2.5 * stall_after))))
 
 
+def compute_holding_the_interpreter(seconds: float) -> float:
+    """Match a regular expression that backtracks for ``seconds`` at least, in one call (the engine holds the GIL
+    throughout, and computes), each ``a`` doubling it: how long that call took."""
+    pattern = re.compile(r"(a+)+$")
+    began = time.perf_counter()
+    pattern.match("a" * 20 + "b")
+    length = 20 + round(math.log2(max(1.2 * seconds / max(time.perf_counter() - began, 1e-3), 1)))
+    while True:
+        began = time.perf_counter()
+        pattern.match("a" * length + "b")
+        took = time.perf_counter() - began
+        if took >= seconds:
+            return took
+        length += 1
+
+
+def computing_rank(out: Path, stall_after: float) -> dict[str, Any]:
+    """Rank 0 computes for 2.5 ``stall_after`` at least, at its second step, in native code that holds the GIL (its
+    interpreter silent, its main thread using the CPU): waited for, the run finishes."""
+
+    def compute() -> None:
+        (out / "computed_for").write_text(str(compute_holding_the_interpreter(2.5 * stall_after)))
+
+    return outcome(lambda: fit(2, stall_after, Steps(compute)))
+
+
 def held_interpreter(out: Path, stall_after: float) -> dict[str, Any]:
     """Rank 0 in a C call that keeps the GIL for 4 ``stall_after`` at its second step (the same process group as the
     run before): rank 1 names it once it gave no sign of life for ``stall_after`` after being asked."""
@@ -190,7 +218,7 @@ def fabric_branch(out: Path, stall_after: float) -> dict[str, Any]:
     return outcome(loop)
 
 
-PHASES = [busy_rank, held_interpreter, mixed_group, watchdog_fails, fabric_branch]
+PHASES = [busy_rank, computing_rank, held_interpreter, mixed_group, watchdog_fails, fabric_branch]
 
 
 def runs_in_turn(out: Path, stall_after: float) -> None:
