@@ -332,6 +332,8 @@ class Watcher:
             return None
         waiting_since = time.monotonic()
         watch.asked_at = waiting_since
+        left = activity.sample(skipping=_HERE)  # the exit's wait is one call, whether the thread looks or not
+        self._still = Stillness(left.frame_key if left is not None else None, waiting_since)
         while watch.verdict is None and self.rounds.exited() < self.size:
             self._follow(watch)  # the thread may have failed: the main thread answers the others' rounds too
             self._adopt(watch)
