@@ -77,7 +77,7 @@ def test_runs_in_turn_are_each_watched_afresh(tmp_path: Path) -> None:
         assert list(seen[rank]) == RUNS, logs[rank][-3000:]
     pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in range(2)]
 
-    # rank 0 busy in Python for 2.5 `stall_after`: asked about, answers, and is waited for
+    # rank 0 busy in Python for 1.5 `stall_after`: asked about, answers, and is waited for
     assert [s["busy_rank"]["error"] for s in seen] == [None, None]
 
     # rank 0 computing in native code that holds its interpreter for 2.5 `stall_after` at least: silent, but its main

@@ -116,9 +116,9 @@ def fail_the_watchdog() -> None:
 
 
 def busy_rank(out: Path, stall_after: float) -> dict[str, Any]:
-    """Rank 0 busy in Python (sleeping) for 2.5 ``stall_after`` at its second step, rank 1 waiting for it: waited for,
-    the run finishes."""
-    return outcome(lambda: fit(2, stall_after, Steps(lambda: time.sleep(2.5 * stall_after))))
+    """Rank 0 busy in Python (sleeping) for 1.5 ``stall_after`` at its second step, rank 1 waiting for it: asked
+    about, waited for, the run finishes."""
+    return outcome(lambda: fit(2, stall_after, Steps(lambda: time.sleep(1.5 * stall_after))))
 
 
 def compute_holding_the_interpreter(seconds: float) -> float:
