@@ -84,12 +84,13 @@ class Creator:
         return Liveness.STOPPED if state in ("T", "t") else Liveness.RUNNING
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """The CPU time the main thread of process ``pid`` (of this PID namespace) has used, in user and kernel mode; None
-    where ``/proc`` cannot tell."""
+def main_thread(pid: int) -> tuple[str, float] | None:
+    """The state (``R`` running or runnable, ``S`` sleeping, ``D`` waiting on the disk, ...) of the main thread of
+    process ``pid`` (of this PID namespace) and the CPU time it has used, in user and kernel mode; None where ``/proc``
+    cannot tell."""
     try:
         fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 

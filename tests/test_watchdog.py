@@ -112,19 +112,32 @@ def test_what_cannot_be_told_of_a_silent_rank_is_said(where: Any, silence: Silen
     assert words in str(error_of(found, 1))
 
 
+def place_of(child: subprocess.Popen) -> dict[str, Any]:
+    namespace = this_process()["creator"].split("-")[0]
+    start = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return {"host": socket.gethostname(), "pid": child.pid, "creator": f"{namespace}-{child.pid}-{start}"}
+
+
 def test_a_running_rank_that_does_not_answer_held_its_interpreter_for_the_window() -> None:
-    """Its process runs (this one stands in for it), but no answer came for the whole window: the words say that its
-    interpreter ran no Python that long, how long rank 1 waited and where, and what to do."""
-    assert silence_of(this_process()) is Silence.HELD
-    found = verdict({1: answer(Place.WAITING, seconds=10.0)}, places={0: this_process()})
-    assert found is not None and found["missing"] == {"0": {"silence": "held", "pid": os.getpid()}}
+    """Its process runs (a child of this one stands in for it, its main thread asleep, as one blocked in native code
+    while it holds the GIL), but no answer came for the whole window: the words say that its interpreter ran no Python
+    that long, how long rank 1 waited and where, and what to do."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.2)  # it sleeps
+        assert silence_of(place_of(child)) is Silence.HELD
+        found = verdict({1: answer(Place.WAITING, seconds=10.0)}, places={0: place_of(child)})
+    finally:
+        child.kill()
+        child.wait()
+    assert found is not None and found["missing"] == {"0": {"silence": "held", "pid": child.pid}}
     error = error_of(found, 1, answer(Place.WAITING, seconds=21.0))
     assert isinstance(error, PeerError)
     message = str(error)
-    assert f"gave up on rank 0 (PID {os.getpid()}): rank 1 has waited 21 s in {GATHER}, and it gave no sign" in message
+    assert f"gave up on rank 0 (PID {child.pid}): rank 1 has waited 21 s in {GATHER}, and it gave no sign" in message
     assert "gave no sign of life for the 10 s after rank 1 asked where every rank was" in message
     assert "its interpreter ran no Python for those 10 s: native code holds it" in message
-    assert f"HINT: `py-spy dump --native --pid {os.getpid()}` shows where" in message
+    assert f"HINT: `py-spy dump --native --pid {child.pid}` shows where" in message
     assert "`stall_after` above it (now 10 s)" in message
     assert "did not arrive within" not in message and "process group's timeout" not in message
 
@@ -138,12 +151,6 @@ def test_a_stopped_or_gone_rank_is_named_as_such() -> None:
     message = str(error_of(found, 1))
     assert "rank 1 has waited 10 s at its exit" in message
     assert "rank 0's process is gone: it ended without reaching its exit hook (killed: SIGKILL" in message
-
-
-def place_of(child: subprocess.Popen) -> dict[str, Any]:
-    namespace = this_process()["creator"].split("-")[0]
-    start = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    return {"host": socket.gethostname(), "pid": child.pid, "creator": f"{namespace}-{child.pid}-{start}"}
 
 
 def test_a_silent_rank_computing_is_waited_for_and_one_idle_is_not() -> None:

@@ -28,7 +28,7 @@ import socket
 import time
 from typing import Any
 
-from lightning_zero._creator import Creator, Liveness, cpu_seconds
+from lightning_zero._creator import Creator, Liveness, main_thread
 from lightning_zero._transport import activity, failures, labels, peers
 from lightning_zero._transport.activity import Place
 from lightning_zero._transport.stalls import StallError
@@ -46,8 +46,8 @@ class Silence(enum.Enum):
     UNKNOWN = "unknown"  # another host or PID namespace
 
 
-COMPUTING_LOOK_SECONDS = 0.5  # how long the main thread of a silent rank is watched for CPU use
-COMPUTING_SHARE = 0.25  # the share of one core it must use in that time to be computing
+COMPUTING_LOOK_SECONDS = 0.5  # how long the main thread of a silent rank is watched for work
+COMPUTING_LOOKS = 5  # looks at its state in that time
 
 
 def place() -> dict[str, Any]:
@@ -76,13 +76,16 @@ def silence_of(where: dict[str, Any] | None, *, cpu: bool = True) -> Silence:
 
 
 def _computing(pid: int) -> bool:
-    """Whether the main thread of process ``pid`` uses the CPU (a share of one core of :data:`COMPUTING_SHARE` at
-    least, over :data:`COMPUTING_LOOK_SECONDS`): native code that holds the interpreter while it computes, as opposed
-    to one blocked, sleeping or deadlocked while holding it."""
-    before = cpu_seconds(pid)
-    time.sleep(COMPUTING_LOOK_SECONDS)
-    after = cpu_seconds(pid)
-    return before is not None and after is not None and after - before >= COMPUTING_SHARE * COMPUTING_LOOK_SECONDS
+    """Whether the main thread of process ``pid`` computes over :data:`COMPUTING_LOOK_SECONDS`: running or waiting for
+    a core at one of its looks, or using CPU time between them (native code that holds the interpreter while it works),
+    as opposed to one blocked, sleeping or deadlocked while holding it (it sleeps, and uses none). On a loaded host a
+    computing thread may get little CPU time, but stays runnable."""
+    looks = []
+    for _ in range(COMPUTING_LOOKS):
+        looks.append(main_thread(pid))
+        time.sleep(COMPUTING_LOOK_SECONDS / COMPUTING_LOOKS)
+    seen = [look for look in looks if look is not None]
+    return any(state == "R" for state, _ in seen) or (len(seen) > 1 and seen[-1][1] > seen[0][1])
 
 
 def answer(sample: activity.Sample | None, still_for: float, signalled: int | None) -> Answer:
