@@ -46,7 +46,7 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.placement import Placement
-from lightning_zero._stage3 import collectives as fsdp_comms
+from lightning_zero._stage3 import collectives as unit_collectives
 from lightning_zero._stage3.seam import (
     Around,
     around_own_collectives,
@@ -106,7 +106,7 @@ class ShardedModule:
             fully_shard(unit, mesh=mesh.shard, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
         check_contract([*units, module])  # now, not at the first step: a torch whose internals differ says so here
-        self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
+        self._channel = unit_collectives.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
         # between runs: each unit's arounds of `fully_shard`'s own collectives, taken out of torch (see `suspend`),
         # by the unit's path: this object must not hold the module it belongs to
