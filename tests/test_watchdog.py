@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -238,6 +239,28 @@ def test_the_signal_pipe_hears_sigterm_and_is_restored() -> None:
                 os.fstat(fd)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_signal_pipe_works_above_descriptor_1023() -> None:
+    """A process with many files open (data loaders, checkpoints) gets a pipe above ``select``'s limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        if hard != resource.RLIM_INFINITY and hard < 1100:
+            pytest.skip(f"this process may open {hard} files at most, not enough to reach descriptor 1024")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        pipe = SignalPipe.install()
+        assert pipe is not None and pipe._read > 1023
+        signal.raise_signal(signal.SIGTERM)
+        assert pipe.received(1.0) == signal.SIGTERM
+        assert pipe.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_run_ends_once_undoing_the_last_first_and_skipping_what_is_gone() -> None:

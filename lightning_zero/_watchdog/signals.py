@@ -54,8 +54,9 @@ class SignalPipe:
         if self._closed:
             time.sleep(timeout)
             return None
-        ready, _, _ = select.select([self._read], [], [], timeout)
-        if not ready:
+        waiting = select.poll()  # not `select.select`: it refuses a descriptor above 1023 (a process with many files)
+        waiting.register(self._read, select.POLLIN)
+        if not waiting.poll(timeout * 1000):
             return None
         with contextlib.suppress(BlockingIOError):
             for signum in os.read(self._read, 64):
