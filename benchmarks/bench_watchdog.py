@@ -1,5 +1,5 @@
 """Steps/s of "zero3" under Fabric on 2 CPU ranks with the stall watchdog running and stopped
-(``lightning_zero._transport.watchdog``): blocks of steps, the watchdog's state alternating from block to block and
+(``lightning_zero._watchdog``): blocks of steps, the watchdog's state alternating from block to block and
 the order rotating each pair, in one pair of processes, so that machine noise hits both alike. Rank 0 prints a
 markdown row: the median steps/s of each state and their difference, then every block's figure.
 
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_zero._transport import watchdog
+from lightning_zero._watchdog import watchdog
 from lightning_zero.fabric import ZeroStrategy
 
 WARMUP = 5
@@ -51,11 +51,9 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     for block in range(args.blocks):
         for state in ("with", "without") if block % 2 == 0 else ("without", "with"):
             if state == "without":
-                watchdog.stop()
-                time.sleep(watchdog.TICK_SECONDS + 0.1)  # the thread ends at its next tick
+                watchdog.stop()  # the thread ends (joined) at its next tick
             else:
-                watchdog._WATCHDOG = None
-                watchdog.start(watchdog.DEFAULT_STALL_AFTER)
+                watchdog.begin_run(block + 1, watchdog.DEFAULT_STALL_AFTER, on_group_gone=lambda: None)
             dist.barrier()
             began = time.perf_counter()
             steps(args.steps)

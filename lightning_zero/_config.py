@@ -116,10 +116,11 @@ class ZeroConfig:
     between several ranks."""
 
     stall_after: float = 60.0
-    """Seconds a collective may wait for its peers before every rank is asked what it is doing: ranks that run
-    different code, or a peer that stopped, then fail on every rank with an error naming each rank's activity, on every
-    transport (see :mod:`lightning_zero._transport.watchdog`), instead of after the process group's ``timeout`` (30
-    minutes). A peer that is only slower (busy outside collectives) is waited for."""
+    """Seconds a collective may wait for its peers before every rank is asked what it is doing, and then for their
+    answers: ranks that run different code, or a peer that stopped, exited or gave no sign of life that long, then
+    fail on every rank with an error naming each rank's activity, on every transport (see
+    :mod:`lightning_zero._watchdog`), instead of after the process group's ``timeout`` (30 minutes). A peer that is
+    only slower (busy outside collectives, or computing in native code) is waited for."""
 
     deepspeed_optimization: DeepSpeedOptimization | None = None
     """Not an option of its own: the ``optimizer`` and ``scheduler`` sections of a ``deepspeed_config``, which the

@@ -14,9 +14,19 @@ A name holds its creator as ``<namespace>-<pid>-<start>`` right after a prefix o
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class Liveness(enum.Enum):
+    """What ``/proc`` tells of a creator."""
+
+    RUNNING = "running"  # alive and not stopped: running, sleeping or waiting, in Python or native code
+    STOPPED = "stopped"  # SIGSTOP, a debugger
+    DEAD = "dead"  # gone, a zombie, or its PID reused
+    UNKNOWN = "unknown"  # another PID namespace, or `/proc` hidden
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,14 @@ class Creator:
         return f"{self.namespace}-{self.pid}-{self.start}"
 
     @classmethod
+    def from_tag(cls, tag: str) -> Creator | None:
+        """The creator :attr:`tag` recorded; None for a tag of another form."""
+        fields = tag.split("-")
+        if len(fields) != 3 or not all(f.isdigit() for f in fields):
+            return None
+        return cls(int(fields[0]), int(fields[1]), int(fields[2]))
+
+    @classmethod
     def of(cls, name: str, prefix: str) -> Creator | None:
         """The creator recorded in ``name`` right after ``prefix``; None for a name of another form."""
         fields = name.removeprefix(prefix).split("-")
@@ -50,14 +68,31 @@ class Creator:
 
     def is_dead(self) -> bool:
         """Whether this creator, of this process's PID namespace, is known to be gone (a zombie counts as gone)."""
+        return self.liveness() is Liveness.DEAD
+
+    def liveness(self) -> Liveness:
+        """What ``/proc`` says of this creator, taken to be of this process's PID namespace."""
         try:
             stat = Path(f"/proc/{self.pid}/stat").read_text()
         except FileNotFoundError:
-            return True
-        except OSError:  # /proc hides other users' processes (hidepid): cannot tell, so alive
-            return False
+            return Liveness.DEAD
+        except OSError:  # /proc hides other users' processes (hidepid): cannot tell
+            return Liveness.UNKNOWN
         state, start = _state_and_start(stat)
-        return state in ("Z", "X") or start != self.start
+        if state in ("Z", "X") or start != self.start:
+            return Liveness.DEAD
+        return Liveness.STOPPED if state in ("T", "t") else Liveness.RUNNING
+
+
+def main_thread(pid: int) -> tuple[str, float] | None:
+    """The state (``R`` running or runnable, ``S`` sleeping, ``D`` waiting on the disk, ...) of the main thread of
+    process ``pid`` (of this PID namespace) and the CPU time it has used, in user and kernel mode; None where ``/proc``
+    cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _start_time(pid: int) -> int:

@@ -4,7 +4,7 @@ They are the floors of ``pyproject.toml``'s dependencies, and CI runs the tests 
 An older release is refused here, by name and version, before anything imports the parts of torch or Lightning it
 lacks (which would fail with an error that does not say why) or trains on what it does differently (torch 2.7's
 ``fully_shard`` has no ``ignored_params``; gloo's reduce-scatter in torch 2.8 sums where asked to average, which
-:mod:`lightning_zero._transport.fsdp_comms` works around).
+:mod:`lightning_zero._stage3.collectives` works around).
 """
 
 from __future__ import annotations

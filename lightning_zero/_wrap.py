@@ -26,7 +26,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero._transport.torch_private import CheckpointWrapper, gather_for_recompute
+from lightning_zero._stage3.seam import CheckpointWrapper, gather_for_recompute
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 """A user policy: ``(module, qualified name) -> bool``, asked for every submodule."""

@@ -48,6 +48,30 @@ QUIET: dict[str, Any] = {
 MODULE_KWARGS = {"scheduler": "step", "config_style": "dict", "hidden": 29}  # the classifier the checkpoint tests train
 
 
+def new_process_group() -> None:
+    """In a worker, after a run whose error left its process group unusable (a verdict's release closed its
+    connections, a divergence broke its shared-memory channel): destroy it, so that the next run makes one on another
+    port, agreed through the old group's store, as a user who caught the error would."""
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        store.set("next_port", str(port))
+        while store.add("next_port_taken", 0) < dist.get_world_size() - 1:  # rank 0 holds the store: it goes last
+            time.sleep(0.01)
+    else:
+        port = int(store.get("next_port"))
+        store.add("next_port_taken", 1)
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+
+
 def cpu_trainer(strategy: Any, max_steps: int = -1, **options: Any) -> pl.Trainer:
     """A quiet Trainer on this worker's CPU ranks; ``options`` add to :data:`QUIET` or override it."""
     options = {**QUIET, **options}

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from lightning_zero._transport.torch_private import CUSTOM_COLLECTIVES
+from lightning_zero._stage3.seam import CUSTOM_COLLECTIVES
 from tests.launch import start, write_payload
 from tests.scenarios import Fault, FaultyRun
 

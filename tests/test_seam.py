@@ -1,17 +1,36 @@
-"""The seam over ``fully_shard`` (``lightning_zero/_transport/torch_private.py``), item by item, on the torch installed:
-in one process, on a gloo group of one rank. CI runs these fast tests on every torch it installs (the floor, the
-current release and the ceiling), so a release whose internals differ fails here, naming the item, and at set-up
-(:func:`check_contract`), never at step 100."""
+"""The seam over ``fully_shard`` (``lightning_zero/_stage3/seam.py``), item by item, on the torch installed, in one
+process: on torch's fake process group of 4 ranks as rank 3 (the rank ``fully_shard`` gives the fewest rows; its
+collectives complete at once without moving data), where sharding splits rows and a unit really gathers, and on a gloo
+group of one rank where a test needs the values a gather brings. CI runs these fast tests on every torch it installs
+(the floor, the current release and the ceiling), so a release whose internals differ fails here, naming the item, and
+at set-up (:func:`check_contract`), never at step 100. Each contract break changes torch, never the checker."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_zero._transport import torch_private as seam
+from lightning_zero._stage3 import seam
+
+FAKE_RANKS, FAKE_RANK = 4, 3
+
+
+@pytest.fixture
+def fake_ranks() -> Iterator[None]:
+    """This process as rank 3 of a fake group of 4."""
+    dist.init_process_group("fake", store=FakeStore(), rank=FAKE_RANK, world_size=FAKE_RANKS)
+    yield
+    dist.destroy_process_group()
 
 
 class Net(nn.Module):
@@ -44,7 +63,7 @@ def step(net: Net) -> torch.Tensor:
     return loss.detach()
 
 
-@pytest.mark.usefixtures("one_rank")
+@pytest.mark.usefixtures("fake_ranks")
 def test_the_contract_holds_on_the_installed_torch() -> None:
     _, units = sharded()
     seam.check_contract(units)
@@ -98,38 +117,69 @@ def test_a_gradient_shard_is_a_dtensor_laid_out_as_its_parameter() -> None:
         assert isinstance(grad, DTensor) and grad.shape == param.shape and grad.placements == param.placements
 
 
-@pytest.mark.parametrize(
-    ("rows", "world_size", "expected"), [(10, 4, [3, 3, 3, 1]), (2, 4, [1, 1, 0, 0]), (8, 2, [4, 4])]
-)
-def test_the_row_split_is_fully_shards(rows: int, world_size: int, expected: list[int]) -> None:
-    full = torch.arange(rows * 3).view(rows, 3)
-    pieces = [seam.my_rows(full, rank, world_size) for rank in range(world_size)]
-    assert [p.size(0) for p in pieces] == expected
-    assert torch.equal(torch.cat(pieces), full)  # each rank's rows in rank order, nothing repeated or lost
+@pytest.mark.parametrize("rows", [10, 5, 4, 2])
+def test_the_row_split_is_fully_shards(rows: int) -> None:
+    """On every rank of the fake group in turn, ``my_rows`` of a full parameter is exactly the local shard
+    ``fully_shard`` made of it (uneven splits, and ranks holding no row, included)."""
+    seen = []
+    for rank in range(FAKE_RANKS):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=FAKE_RANKS)
+        try:
+            torch.manual_seed(0)
+            layer = nn.Linear(3, rows)
+            full = layer.weight.detach().clone()
+            fully_shard(layer)
+            mine = seam.my_rows(full, rank, FAKE_RANKS)
+            assert torch.equal(mine, layer.weight.to_local()), (rank, mine.shape, layer.weight.to_local().shape)
+            seen.append(mine)
+        finally:
+            dist.destroy_process_group()
+    assert torch.equal(torch.cat(seen), full)  # every row once, in rank order
 
 
-@pytest.mark.usefixtures("one_rank")
-def test_callbacks_before_a_units_own_collectives_and_their_removal() -> None:
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+def counting_arounds(calls: dict[str, int]) -> tuple[seam.Around, seam.Around]:
+    def around(which: str) -> seam.Around:
+        def run(collective: Callable[[], Any]) -> Any:
+            calls[which] += 1
+            return collective()
 
-    originals = (param_group.foreach_all_gather, param_group.foreach_reduce)
+        return run
+
+    return around("gather"), around("reduce")
+
+
+def own_collectives() -> tuple[Any, Any]:
+    return _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce
+
+
+@pytest.mark.usefixtures("fake_ranks")
+def test_arounds_of_a_units_own_collectives_and_their_removal() -> None:
+    originals = own_collectives()
     net, _ = sharded()
     calls = {"gather": 0, "reduce": 0}
-
-    def count(which: str) -> None:
-        calls[which] += 1
-
-    seam.before_own_collectives(net.a, lambda: count("gather"), lambda: count("reduce"))  # type: ignore[arg-type]
-    assert seam.own_collective_callbacks(net.a) is not None  # type: ignore[arg-type]
+    seam.around_own_collectives(net.a, *counting_arounds(calls))  # type: ignore[arg-type]
+    assert seam.own_collective_arounds(net.a) is not None  # type: ignore[arg-type]
     step(net)
-    # unit `a` only, reduced once; gathered twice (for forward, and again for backward after resharding), where a
-    # group of one rank gathers at all (torch 2.8 does; 2.13 uses the shard as it is)
-    assert calls["reduce"] == 1 and calls["gather"] in (0, 2), calls
-    before = dict(calls)
+    # unit `a` only: gathered for its forward and again for its backward (resharded after forward), reduced once
+    assert calls == {"gather": 2, "reduce": 1}
     seam.forget_own_collectives(net.a)  # type: ignore[arg-type]
-    assert (param_group.foreach_all_gather, param_group.foreach_reduce) == originals  # nothing left rebound
+    assert own_collectives() == originals  # nothing left rebound
     step(net)
-    assert calls == before
+    assert calls == {"gather": 2, "reduce": 1}
+
+
+@pytest.mark.usefixtures("fake_ranks")
+def test_arounds_end_with_the_last_unit_that_has_them() -> None:
+    """A module dropped without a teardown (Fabric has none): once its units are freed, ``fully_shard``'s names are
+    torch's again."""
+    originals = own_collectives()
+    net = sharded()[0]
+    seam.around_own_collectives(net.a, *counting_arounds({"gather": 0, "reduce": 0}))  # type: ignore[arg-type]
+    seam.around_own_collectives(net.b, *counting_arounds({"gather": 0, "reduce": 0}))  # type: ignore[arg-type]
+    assert own_collectives() != originals
+    del net
+    gc.collect()
+    assert own_collectives() == originals
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -152,33 +202,57 @@ def test_dtensor_layout_given_to_a_new_local_tensor() -> None:
     assert moved.placements == param.placements and moved.shape == param.shape
 
 
-def _break_unit_state(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.setattr(type(units[0]), "_get_fsdp_state", lambda self: object())
+# --- a torch without each item: every break below changes torch (as a release that lacks the item would), sharding
+# happening after it where the item is how `fully_shard` shards
 
 
-def _break_groups(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.setattr(seam, "_param_groups", lambda unit: [])
+def _break_unit_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FSDPModule, "_get_fsdp_state", lambda self: object())
 
 
-def _break_storage(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.delattr(seam.unit_shards(units[0])[0], "_sharded_param_data")
+def _break_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit state keeps its parameter groups under another name."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    original = FSDPState.__getattribute__
+
+    def renamed(state: Any, name: str) -> Any:
+        if name in ("_fsdp_param_groups", "_fsdp_param_group"):
+            raise AttributeError(name)
+        return original(state, name)
+
+    monkeypatch.setattr(FSDPState, "__getattribute__", renamed)
 
 
-def _break_rows(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.setattr(seam, "my_rows", lambda full, rank, world_size: full[:0])
+def _break_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(_fsdp_param.FSDPParam, "reset_sharded_param")
 
 
-def _break_own_collectives(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.setattr(seam, "CUSTOM_COLLECTIVES", False)
-    monkeypatch.setattr(seam, "_OWN_COLLECTIVES", ("foreach_all_gather_renamed",))
+def _break_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fully_shard`` splits rows as ``torch.tensor_split`` does (5 rows on 4 ranks: 2, 1, 1, 1, where ``torch.chunk``
+    gives 2, 2, 1, 0)."""
+    monkeypatch.setattr(_fsdp_param, "_chunk_with_empty", lambda tensor, chunks, dim: list(
+        torch.tensor_split(tensor, chunks, dim=dim)))  # fmt: skip
 
 
-def _break_reset(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
+def _break_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    if seam.CUSTOM_COLLECTIVES:
+        monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
+    else:
+        monkeypatch.delattr(_fsdp_param_group, "foreach_all_gather")
+
+
+def _break_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
 
 
-def _break_layout(monkeypatch: pytest.MonkeyPatch, units: list[FSDPModule]) -> None:
-    monkeypatch.setattr(seam, "_has", lambda obj, *names: "_spec" not in names and all(hasattr(obj, n) for n in names))
+def _break_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DTensor is no longer built from a local tensor and a layout."""
+
+    def refuse(*args: Any, **kwargs: Any) -> DTensor:
+        raise TypeError("DTensor.__new__() takes other arguments")
+
+    monkeypatch.setattr(DTensor, "__new__", staticmethod(refuse))
 
 
 BREAKS = {
@@ -196,10 +270,14 @@ def test_every_contract_item_has_a_break_below() -> None:
     assert [item.name for item in seam.CONTRACT] == list(BREAKS)
 
 
-@pytest.mark.usefixtures("one_rank")
+@pytest.mark.usefixtures("fake_ranks")
 @pytest.mark.parametrize("item", list(BREAKS))
 def test_a_torch_without_an_item_is_refused_at_set_up_naming_it(monkeypatch: pytest.MonkeyPatch, item: str) -> None:
-    _, units = sharded()
-    BREAKS[item](monkeypatch, units)
+    if item == "row split":  # how `fully_shard` shards: broken before it
+        BREAKS[item](monkeypatch)
+        _, units = sharded()
+    else:
+        _, units = sharded()
+        BREAKS[item](monkeypatch)
     with pytest.raises(seam.TorchContractError, match=rf"contract item '{item}' .*HINT: use a torch release"):
         seam.check_contract(units)

@@ -6,17 +6,14 @@ group, the DeepSpeed checkpoints are DeepSpeed's own (tests/fixtures/deepspeed).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero._checkpoint import publish
-from lightning_zero._checkpoint.deepspeed import read_deepspeed_checkpoint
 from lightning_zero._checkpoint.error import CheckpointError, NoCheckpoint, StateNotSaved
 from lightning_zero._checkpoint.live import named_optimizer_state, save_directory
 from lightning_zero._checkpoint.source import Live, open_checkpoint
@@ -42,13 +39,6 @@ def _stepped() -> tuple[_Net, torch.optim.Optimizer]:
         param.grad = torch.randn_like(param)
     optimizer.step()
     return module, optimizer
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -158,17 +148,27 @@ def test_nothing_at_the_path_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", ["save directory", "tag directory"])
 def test_a_deepspeed_checkpoint_reads_whole_from_its_save_or_tag_directory(where: str) -> None:
-    path = checkpoint_path("groups_stage2_w3")
+    """Against what DeepSpeed's engine held before it saved (the fixture's truth, read from the live engine): every
+    parameter and buffer, and each parameter's Adam moments and step, found by name once the whole checkpoint's
+    optimizer state is loaded into an optimizer built on the module's parameter groups, as ``"ddp"`` would."""
+    case = "groups_stage2_w3"
+    path = checkpoint_path(case)
     if where == "tag directory":
         path = path / (path / "latest").read_text()
     whole = open_checkpoint(path, unpickling=Unpickling.RESTRICTED).whole()
-    expected = read_deepspeed_checkpoint(path, Unpickling.RESTRICTED).lightning_checkpoint()
-    assert whole.keys() == expected.keys()
-    for name, value in expected["state_dict"].items():
+    truth = torch.load(HERE / f"{case}.truth.pt")
+    model = FixtureModel(groups=2)
+    assert whole["state_dict"].keys() == model.state_dict().keys()
+    for name, value in {**truth["params"], **truth["buffers"]}.items():
         assert torch.equal(whole["state_dict"][name], value), name
-    for index, entries in expected["optimizer_states"][0]["state"].items():
-        for key, value in entries.items():
-            assert torch.equal(whole["optimizer_states"][0]["state"][index][key], value), (index, key)
+    model.load_state_dict(whole["state_dict"])
+    optimizer = torch.optim.AdamW(model.param_groups())
+    optimizer.load_state_dict(whole["optimizer_states"][0])
+    named = dict(model.named_parameters())
+    assert {name for name, p in named.items() if optimizer.state[p]} == truth["exp_avg"].keys()
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        for name, value in truth[key].items():
+            assert torch.equal(optimizer.state[named[name]][key], value), (name, key)
     weights = open_checkpoint(path, unpickling=Unpickling.RESTRICTED).whole(optimizer_states=False)
     assert "optimizer_states" not in weights and "lr_schedulers" not in weights
 

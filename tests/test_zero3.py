@@ -267,14 +267,17 @@ def test_unit_parameter_read_outside_forward_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_trained_module_is_freed_once_dropped(tmp_path: Path) -> None:
-    """Three fits in one process, each with a fresh module: after each, nothing of this package keeps the module (and
-    its shards and optimizer state) alive; the user dropping it frees it. Nothing set-up put into the process outlives
-    them: torch's collectives (which torch 2.8 has the package rebind), the c10d logger's handlers and the warnings
-    filters are as before, and the user's own ``fully_shard`` model trains to the same weights as before the fits."""
+    """Three fits in one process, each with a fresh module, then three Fabric loops, each with a fresh Fabric and
+    module: after each, nothing of this package keeps the module (and its shards and optimizer state) alive; the user
+    dropping it frees it. Nothing set-up put into the process outlives them, under Fabric too, which never tears its
+    strategy down: torch's collectives (which torch 2.8 has the package rebind), the c10d logger's handlers and the
+    warnings filters are as before, and the user's own ``fully_shard`` model trains to the same weights as before the
+    runs. The stall watchdog's thread, the process's, ends once the process group is destroyed."""
     launch("tests.workers.lifetime", [str(tmp_path)], 2)
+    as_before = {"alive": [False, False, False], "changed": [], "same weights": True}
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result == {"alive": [False, False, False], "changed": [], "same weights": True}, rank
+        assert result == {"trainer": as_before, "fabric": as_before, "watchdog thread after the group": "ended"}, rank
 
 
 # --- options, policies, one device: in this process ----------------------------------------------------------------

@@ -7,6 +7,7 @@ import inspect
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,12 +18,18 @@ from torch.optim import Optimizer
 
 from lightning_zero._checkpoint.location import local_path
 from lightning_zero._config import Stage, ZeroConfig
-from lightning_zero._core import Mode, choose_mode
+from lightning_zero._core import Mode, choose_mode, run_scope
+from lightning_zero._core import exit as _exit  # noqa: F401  (closes the process group before exit)
 from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
-from lightning_zero._offload.placement import Placement, placement_of
-from lightning_zero._transport import exit as _exit  # noqa: F401  (closes the process group before exit)
-from lightning_zero._transport import watchdog
+from lightning_zero._core.run_scope import RunScope
+from lightning_zero._offload.page_cache import Writeback, page_cache_policy
+from lightning_zero._offload.param_files import ParameterFiles
+from lightning_zero._offload.placement import Placement, placement_for
+from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport import failures
+from lightning_zero._transport.stalls import as_verdict
+from lightning_zero._watchdog import watchdog
 
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 
@@ -36,6 +43,7 @@ class ZeroFrontEnd:
     _mode: Mode | None = None
     _placement: Placement | None = None
     _report_due = False  # whether the next optimizer step is the first of a run, which logs the memory report
+    _run: RunScope | None = None  # the run under way, from the environment's set-up
     # given by the front end's ``DDPStrategy``
     root_device: torch.device
     num_nodes: int
@@ -101,7 +109,40 @@ class ZeroFrontEnd:
             )
         super().setup_environment()  # type: ignore[misc]
         self.placement.check_process_group(device_type)
-        watchdog.start(self.config.stall_after)
+        self._run = run_scope.begin()
+        failures.start_run(self._run.number)
+        watchdog.begin_run(self._run.number, self.config.stall_after, on_group_gone=self._run.end)
+        self._run.on_end(watchdog.end_run)
+
+    def _in_run(self, mode: Mode, module: nn.Module) -> None:
+        """After ``mode.setup_module(module)``: what it put into the process ends with the run (see
+        :mod:`lightning_zero._core.run_scope`), which under Fabric also ends once ``module`` is gone."""
+        if self._run is None:  # set up outside a run (no environment: a test of the mode alone)
+            return
+        self._run.anchor(module)
+        for undo in mode.process_undos():
+            self._run.on_end(undo)
+        self._run.on_end(mode.teardown, weakly=True)
+
+    def _end_run(self, modes: Iterable[Mode]) -> None:
+        """The front end's teardown: the run ends (``modes`` torn down as they were set up)."""
+        if self._run is None:
+            for mode in modes:
+                mode.teardown()
+        else:
+            self._run.end()
+
+    # The strategy's own collectives (Lightning's barriers and broadcasts, a Fabric user's `fabric.barrier()` and
+    # reductions) are torch's: one the stall watchdog released fails with its verdict, not gloo's "Connection closed".
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        as_verdict(partial(super().barrier, *args, **kwargs))  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return as_verdict(partial(super().broadcast, obj, src))  # type: ignore[misc]
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return as_verdict(partial(super().all_gather, tensor, group, sync_grads))  # type: ignore[misc]
 
     def _set_up_optimizers(
         self, mode: Mode, module: nn.Module, optimizers: list[Optimizer], plugin: Any
@@ -141,6 +182,24 @@ class ZeroFrontEnd:
                 )
                 log_info(report)
         return output
+
+
+def placement_of(config: ZeroConfig) -> Placement:
+    """The placement the options ask for (see :mod:`lightning_zero._offload.placement`): the optimizer's offload
+    target, and with ``offload_parameters="disk"`` stage 3's shards in :class:`ParameterFiles` under
+    ``offload_dir``."""
+    writeback = Writeback(page_cache_policy())
+    files = None
+    if config.offload_parameters is OffloadTarget.DISK:
+        assert config.offload_dir is not None  # the options require it
+        files = ParameterFiles(config.offload_dir, config.max_in_cpu, config.prefetch_units, writeback)
+    return placement_for(
+        config.offload,
+        offload_dir=config.offload_dir,
+        pin_memory=config.pin_memory,
+        parameter_files=files,
+        writeback=writeback,
+    )
 
 
 def zero_aware_plugin(attribute: str, zero_aware: Callable[[Any], Any], default: Callable[[], Any]) -> property:

@@ -103,9 +103,12 @@ class FullyShardMode(ParametersMode):
             self.sharded.settle()
 
     def teardown(self) -> None:
-        """What set-up put into the process for the run (callbacks in torch's collectives, a warnings filter) goes;
+        """What set-up put into the process for the run (arounds of torch's collectives, a warnings filter) goes;
         a later run of the same module puts it back."""
         super().teardown()
         if self.sharded is not None:
             self.sharded.suspend()
-        self._quiet.remove()
+
+    def process_undos(self) -> list[Callable[[], None]]:
+        """The c10d witness, and the filter of torch's warning about a unit returning a view."""
+        return [*super().process_undos(), self._quiet.remove]

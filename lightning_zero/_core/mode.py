@@ -48,8 +48,8 @@ from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import peers
+from lightning_zero._transport.c10d_private import sync_module_states
 from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
-from lightning_zero._transport.torch_private import sync_module_states
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
 from lightning_zero.memory import BufferHolder
@@ -215,10 +215,18 @@ class Mode:
         """After an exception aborted a step, before the front end's teardown: bring the module to rest."""
 
     def teardown(self) -> None:
-        """After training: release what only training needs; checkpoints can still be written."""
+        """After training: release what only training needs; checkpoints can still be written. Called again (the
+        run's end after a front end's teardown) it changes nothing."""
         self.placement.teardown()
-        peers.stop_witnessing_timeouts()
+        for undo in self.process_undos():
+            undo()
         self.state = LifeCycle.TORN_DOWN
+
+    def process_undos(self) -> list[Callable[[], None]]:
+        """What ``setup_module`` put into the process (not into the module), undone at teardown and at the run's end
+        even once the mode itself is gone (:mod:`lightning_zero._core.run_scope`): here the c10d logger's witness of
+        timeouts."""
+        return [peers.stop_witnessing_timeouts]
 
     @property
     def buffers(self) -> BufferHolder | None:

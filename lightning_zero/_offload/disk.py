@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from lightning_zero._files import nameless_mapping
 from lightning_zero._offload.page_cache import MappedFile, Writeback
 from lightning_zero._offload.target import OffloadError
-from lightning_zero._transport.torch_private import dtensor_like
+from lightning_zero._stage3.seam import dtensor_like
 
 
 class DiskState:

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero._transport.torch_private import dtensor_like, local_tensor
+from lightning_zero._stage3.seam import dtensor_like, local_tensor
 
 # torch's optimizers whose update is elementwise given each element's gradient and state (and scalars per parameter:
 # the step count). Exact types: a subclass may override the update.

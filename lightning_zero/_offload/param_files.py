@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zero._offload.allocator import return_large_blocks
 from lightning_zero._offload.disk import reserve
 from lightning_zero._offload.page_cache import MappedFile, Writeback
-from lightning_zero._transport.torch_private import (
+from lightning_zero._stage3.seam import (
     move_shard,
     padded_shard,
     registered,
@@ -61,7 +61,7 @@ def _page_multiple(nbytes: int) -> int:
 class Region:
     """One parameter's place in its unit's files: the byte range of its padded shard (and of its gradient)."""
 
-    shard: Any  # a shard of the seam's (see `torch_private.unit_shards`)
+    shard: Any  # a shard of the seam's (see `seam.unit_shards`)
     offset: int
     nbytes: int
     grad: torch.Tensor | None = None  # its gradient's view of the unit's gradient file, from its first backward

@@ -16,9 +16,10 @@ A placement owns every decision that depends on where the optimizer steps (see t
 state and the step to host memory; :class:`OnDisk` does the same with the optimizer state in memory-mapped files.
 Either can also keep stage 3's parameter shards and gradients in files (:class:`ParameterFiles`), and then steps the
 optimizer one unit at a time.
-:func:`placement_of` reads the options: where the optimizer lives, and whether stage 3's shards go to files. Files'
-pages leave the process, and under a memory limit the page cache, through one
-:class:`~lightning_zero._offload.page_cache.Writeback` shared by the shards' and the optimizer state's files.
+The front ends' ``placement_of`` (:mod:`lightning_zero._core.front_end`) reads the options: where the optimizer
+lives, and whether stage 3's shards go to files. Files' pages leave the process, and under a memory limit the page
+cache, through one :class:`~lightning_zero._offload.page_cache.Writeback` shared by the shards' and the optimizer
+state's files.
 A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
 """
 
@@ -28,7 +29,6 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,9 +46,6 @@ from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport.mesh import created
-
-if TYPE_CHECKING:
-    from lightning_zero._config import ZeroConfig
 
 
 class Placement:
@@ -268,23 +265,6 @@ class OnDisk(OnHost):
 
     def teardown(self) -> None:
         self._disk = None  # its files go with the last tensor mapping them
-
-
-def placement_of(config: ZeroConfig) -> Placement:
-    """The placement the options ask for: the optimizer's offload target, and with ``offload_parameters="disk"``
-    stage 3's shards in :class:`ParameterFiles` under ``offload_dir``."""
-    writeback = Writeback(page_cache_policy())
-    files = None
-    if config.offload_parameters is OffloadTarget.DISK:
-        assert config.offload_dir is not None  # the options require it
-        files = ParameterFiles(config.offload_dir, config.max_in_cpu, config.prefetch_units, writeback)
-    return placement_for(
-        config.offload,
-        offload_dir=config.offload_dir,
-        pin_memory=config.pin_memory,
-        parameter_files=files,
-        writeback=writeback,
-    )
 
 
 def placement_for(

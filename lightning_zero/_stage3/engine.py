@@ -38,10 +38,10 @@ from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.reducers import ReduceScatterReducer
 from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._stage3.seam import mark_sharded
 from lightning_zero._stage3.units import Unit, UnitState
 from lightning_zero._transport import activity, labels, shared_memory
 from lightning_zero._transport.mesh import DataParallelMesh
-from lightning_zero._transport.torch_private import mark_sharded
 
 
 class Phase(Enum):

@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero._stage3.lazy import SCRATCH, Arena, Empty, LazyTensor, Source
+from lightning_zero._stage3.seam import my_rows
 from lightning_zero._transport.mesh import DataParallelMesh
-from lightning_zero._transport.torch_private import my_rows
 
 aten = torch.ops.aten
 _EMPTY_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}

@@ -4,7 +4,7 @@
 root unit, on a 1-D mesh over all ranks. It replaces each parameter by a ``Shard(0)`` DTensor of this rank's rows,
 which is what ``configure_optimizers`` sees and the optimizer updates; it all-gathers a unit's parameters around the
 unit's forward and backward and reduce-scatters (averaging) its gradients into the shards' ``.grad``. On gloo those
-two collectives are this package's (:mod:`lightning_zero._transport.fsdp_comms`): shared memory between the ranks of one
+two collectives are this package's (:mod:`lightning_zero._stage3.collectives`): shared memory between the ranks of one
 host, point-to-point exchanges otherwise.
 
 Two kinds of parameters live outside that scheme:
@@ -43,18 +43,20 @@ from lightning_zero._config import ZeroConfig
 from lightning_zero._engine.layout import ShardSpec
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.placement import Placement
-from lightning_zero._stage3.step import rows_of_whole_tensors, run_as_root_forward
-from lightning_zero._transport import activity, fsdp_comms, labels
-from lightning_zero._transport import collectives as comm
-from lightning_zero._transport.mesh import DataParallelMesh
-from lightning_zero._transport.torch_private import (
-    before_own_collectives,
+from lightning_zero._stage3 import collectives as unit_collectives
+from lightning_zero._stage3.seam import (
+    Around,
+    around_own_collectives,
     check_contract,
     forget_own_collectives,
     has_run_forward,
-    own_collective_callbacks,
+    own_collective_arounds,
     reset_after_failure,
 )
+from lightning_zero._stage3.step import rows_of_whole_tensors, run_as_root_forward
+from lightning_zero._transport import activity, labels
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport.mesh import DataParallelMesh
 
 # Each sharded LightningModule's ShardedModule, which refers to the module only weakly, so that the entry (and all it
 # holds: shards, hooks) goes when the user drops the module.
@@ -95,11 +97,11 @@ class ShardedModule:
             fully_shard(unit, mesh=mesh.shard, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
         check_contract([*units, module])  # now, not at the first step: a torch whose internals differ says so here
-        self._channel = fsdp_comms.install([*units, module], mesh.shard_group, largest, mesh.replicate)
+        self._channel = unit_collectives.install([*units, module], mesh.shard_group, largest, mesh.replicate)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
-        # between runs: each unit's callbacks in `fully_shard`'s own collectives, taken out of torch (see `suspend`),
+        # between runs: each unit's arounds of `fully_shard`'s own collectives, taken out of torch (see `suspend`),
         # by the unit's path: this object must not hold the module it belongs to
-        self._suspended: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+        self._suspended: dict[str, tuple[Around, Around]] = {}
         for param in self.replicated:  # `fully_shard` leaves ignored parameters where they are
             param.data = param.data.to(device)
         self.gradient_sync = True  # False during the micro-batches of an accumulation window but the last
@@ -187,20 +189,20 @@ class ShardedModule:
                         param.grad = flat[i].clone()
 
     def suspend(self) -> None:
-        """At a run's teardown: take out of torch what this module put there for the whole process (the callbacks in
+        """At a run's teardown: take out of torch what this module put there for the whole process (the arounds of
         ``fully_shard``'s own collectives, where it keeps them), so that other ``fully_shard`` modules of the process
         run as in a fresh one. :meth:`resume` puts them back."""
         for path, unit in self._units().items():
-            callbacks = own_collective_callbacks(unit)
-            if callbacks is not None:
-                self._suspended[path] = callbacks
+            arounds = own_collective_arounds(unit)
+            if arounds is not None:
+                self._suspended[path] = arounds
                 forget_own_collectives(unit)
 
     def resume(self) -> None:
         """Before the module runs again (a later ``fit``, ``validate``, ...): what :meth:`suspend` took out."""
         units = self._units()
         for path, (gather, reduce) in self._suspended.items():
-            before_own_collectives(units[path], gather, reduce)
+            around_own_collectives(units[path], gather, reduce)
         self._suspended.clear()
 
     def _units(self) -> dict[str, FSDPModule]:

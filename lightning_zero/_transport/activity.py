@@ -1,5 +1,5 @@
-"""What this rank is doing, as the stall watchdog (:mod:`.watchdog`) tells its peers: the last labelled point it
-reached (:mod:`.labels`) and where its main thread is now.
+"""What this rank is doing, as the stall watchdog (:mod:`lightning_zero._watchdog`) tells its peers: the last labelled
+point it reached (:mod:`.labels`) and where its main thread is now.
 
 Words used below:
 
@@ -12,6 +12,8 @@ Words used below:
   exit), or *busy* (anywhere else: computing, reading data, writing a file).
 - *still*: how long the main thread has stayed in the same frame call, entering no labelled point meanwhile, as the
   watchdog measured it.
+- *unwatched*: the watchdog's thread failed; the next labelled point this rank enters raises its error, so that the
+  run fails rather than goes on without a watchdog (:func:`unwatched`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from lightning_zero._transport import labels
 
 _TRANSPORT = str(Path(__file__).parent)
 _TORCH_DISTRIBUTED = str(Path(torch.__file__).parent / "distributed")
+# the frames a user's line is looked for beyond: torch's and this package's
+_NOT_USERS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 BEFORE_ANY = labels.label("its start: no collective of lightning_zero yet")
 _entered = BEFORE_ANY
 _count = 0  # points entered so far: a main thread whose frame looks unchanged but that entered one has moved on
 _left = False  # the script ended: the exit hook waits for the peers
+_unwatched: BaseException | None = None  # the error the next point entered raises: the watchdog stopped
 
 
 class Place(enum.Enum):
@@ -46,8 +51,27 @@ class Place(enum.Enum):
 def entered(label: int) -> None:
     """This rank starts the collective or reaches the meeting point ``label`` says."""
     global _entered, _count
+    if _unwatched is not None:
+        raise _unwatched.with_traceback(None)
     _entered = label
     _count += 1
+
+
+def begin_run() -> None:
+    """A run begins: nothing entered yet, and watched."""
+    global _entered, _unwatched
+    _entered = BEFORE_ANY
+    _unwatched = None
+
+
+def unwatched(error: BaseException) -> None:
+    """The watchdog's thread stopped with ``error`` (a :class:`WatchdogError`): raised at the next point entered."""
+    global _unwatched
+    _unwatched = error
+
+
+class WatchdogError(RuntimeError):
+    """The stall watchdog itself failed: the run stops rather than go on unwatched."""
 
 
 def leaving() -> None:
@@ -68,9 +92,12 @@ class Sample:
     call: str  # for Place.TORCH: the function of torch.distributed entered from outside it
 
 
-def sample() -> Sample | None:
-    """Where the main thread is now; None if it has no Python frame (it is finishing)."""
+def sample(skipping: str = "") -> Sample | None:
+    """Where the main thread is now, its frames under the directory ``skipping`` left out (the watchdog's own, when
+    it asks a round from the main thread); None if it has no Python frame (it is finishing)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while skipping and frame is not None and frame.f_code.co_filename.startswith(skipping):
+        frame = frame.f_back
     if frame is None:
         return None
     key = (id(frame), id(frame.f_code), _count)
@@ -92,12 +119,8 @@ def doing() -> str:
     return labels.words(_entered)
 
 
-def _outside(file: str) -> bool:
-    return not (file.startswith(_TRANSPORT) or file.startswith(_TORCH_DISTRIBUTED))
-
-
 def _caller(frame: FrameType | None) -> str:
-    while frame is not None and not _outside(frame.f_code.co_filename):
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
         frame = frame.f_back
     if frame is None:
         return "?"

@@ -7,8 +7,8 @@ exchange below on 2 ranks (benchmarks/bench_strategies.py). NCCL keeps its colle
 
 Gloo gives up on a peer after the process group's timeout; this package's errors then name the peers and what to do
 (:mod:`.peers`). Each collective records what it is for (:mod:`.activity`), so that the stall watchdog
-(:mod:`.watchdog`) can tell the ranks what each was doing long before that timeout; a failure in an exchange asks it
-whether the ranks went different ways, and the error then says so.
+(:mod:`lightning_zero._watchdog`) can tell the ranks what each was doing long before that timeout; a failure in an
+exchange asks it (:mod:`.stalls`) whether the ranks went different ways, and the error then says so.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 from lightning_zero._grouping import group_by
-from lightning_zero._transport import activity, labels, peers, shared_memory, watchdog
+from lightning_zero._transport import activity, labels, peers, shared_memory, stalls
 from lightning_zero._transport.traffic import TRAFFIC
 
 # torch 2.13 renamed the flat-tensor collectives; older releases know only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+MEET_TAG = 0x5A0DD07  # the tag of a meeting's messages: no exchange of this package's, nor collective, uses it
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -91,9 +92,9 @@ def _naming_peers(group: ProcessGroup) -> Generator[None, None, None]:
     except peers.PeerError as error:
         # a lost connection or the group's own timeout says what happened already: no round (its answers could take
         # the answer window more), only a verdict a peer reached
-        found = watchdog.check_now(ask=not (peers.connection_lost(error) or peers.timed_out(error)))
-        if found is not None:
-            raise found from error
+        found = stalls.check_now(ask=not (peers.connection_lost(error) or peers.timed_out(error)))
+        if found is not None:  # its release ended this exchange: gloo's own error (the cause) is only its symptom
+            raise found from error.__cause__ or error
         raise
 
 
@@ -174,6 +175,28 @@ def all_gather(
                 ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
         with _naming_peers(group):
             return Exchange(dist.batch_isend_irecv(ops), group)
+
+
+def meet(label: int, group: ProcessGroup) -> None:
+    """A barrier of gloo's point-to-point messages (tagged :data:`MEET_TAG`, so that no collective pairs with them)
+    where every rank of ``group`` says ``label``: ranks that are elsewhere fail here, on every rank alike, with
+    :class:`~.labels.DivergedError`, as at the shared-memory channel's meetings (:mod:`.labels`). Where torch 2.8's
+    ``fully_shard`` runs its own gloo collectives, which pair by count whatever each rank runs, one of a unit paired
+    with another unit's, or with Lightning's broadcast, would end the process in gloo (``op.preamble.length <=
+    op.nbytes``): a meeting before each keeps them apart."""
+    activity.entered(label)
+    me = group.rank()
+    said = torch.full((group.size(),), label, dtype=torch.int64)
+    ops = []
+    for peer in range(group.size()):
+        if peer != me:
+            peer_rank = dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, said[me : me + 1], peer_rank, group, MEET_TAG))
+            ops.append(dist.P2POp(dist.irecv, said[peer : peer + 1], peer_rank, group, MEET_TAG))
+    with _naming_peers(group):
+        Exchange(dist.batch_isend_irecv(ops), group).wait()
+    if (said != label).any():
+        raise labels.diverged(me, dict(enumerate(said.tolist())))
 
 
 def broadcast_(tensors: list[torch.Tensor], group: ProcessGroup) -> None:

@@ -20,24 +20,22 @@ manage either, and its error must stay the one the user sees.
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 import torch.distributed as dist
 
+from lightning_zero._transport.c10d_private import default_store
 from lightning_zero._transport.peers import PeerError, ranks
-from lightning_zero._transport.torch_private import default_store
 
 _KEY = "lightning_zero/failure/{run}/{rank}"
 _LONGEST = 2000  # characters of an announced error: its type and message, never a whole traceback
-_RUNS = itertools.count(1)
 _run = 0  # the run under way in this process
 
 
-def start_run() -> None:
-    """At a run's set-up: announcements of earlier runs are no longer read."""
+def start_run(number: int) -> None:
+    """At the set-up of run ``number``: announcements of earlier runs are no longer read."""
     global _run
-    _run = next(_RUNS)
+    _run = number
 
 
 def announce(error: BaseException) -> None:

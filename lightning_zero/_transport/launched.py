@@ -10,7 +10,8 @@ started, as torchrun waits for its workers, and, if one failed, ends with status
 A process that is itself failing does not wait for them without a limit: a rank stopped (SIGSTOP) or hung would keep
 the job alive past its own error. As torchrun's agent does, it gives them :data:`GRACE_SECONDS` to end by themselves
 (a peer blocked in a collective with this process fails as soon as its connections close), then sends SIGTERM, and
-SIGKILL after as long again.
+SIGKILL after as long again. One that is not failing waits :data:`EXIT_SECONDS` for them at most: by then every rank
+reached its exit (the stall watchdog's wait there), and only their teardown is left.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import time
 from pathlib import Path
 
 GRACE_SECONDS = 5.0
+# how long the ranks this process started may take to end once it reached its exit: they reached theirs already (the
+# stall watchdog's exit wait), and have only their teardown left
+EXIT_SECONDS = 60.0
 _STARTED: list[list[subprocess.Popen]] = []  # the launchers' lists of the processes they started, filled as they do
 
 
@@ -52,13 +56,21 @@ def end_started_ranks() -> None:
         if not running:
             return
         for proc in running:
-            if _stopped(proc):  # it would neither end nor act on SIGTERM until continued
-                proc.kill()
-            elif ending is not None:
-                proc.send_signal(ending)
+            stopped = _stopped(proc)  # it would neither end nor act on SIGTERM until continued
+            if stopped or ending is not None:
+                sent = signal.SIGKILL if stopped else ending
+                how = "is stopped" if stopped else f"still runs {GRACE_SECONDS:g} s after this one failed"
+                print(f"lightning_zero: rank {_rank_of(proc)} (PID {proc.pid}), started by this process, {how}:"
+                      f" sending it {sent.name}.", file=sys.stderr, flush=True)  # fmt: skip
+                proc.send_signal(sent)
         deadline = time.monotonic() + GRACE_SECONDS
         while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _rank_of(proc: subprocess.Popen) -> int:
+    """The local rank Lightning's launcher gave ``proc`` (ranks 1, 2, ... in the order started)."""
+    return next(rank for procs in _STARTED for rank, started in enumerate(procs, start=1) if started is proc)
 
 
 def _stopped(proc: subprocess.Popen) -> bool:
@@ -71,9 +83,17 @@ def _stopped(proc: subprocess.Popen) -> bool:
 
 def wait_for_started_ranks(failing: bool = False) -> None:
     """At exit, after the process groups are closed: wait for every rank this process started (ending them first if
-    this process is ``failing``), and end the process with status 1 if one failed (even where this process itself is
-    ending with 0)."""
+    this process is ``failing``; ending them after :data:`EXIT_SECONDS` if they have not ended by then, since every
+    rank has reached its exit already), and end the process with status 1 if one failed (even where this process
+    itself is ending with 0)."""
     if failing:
+        end_started_ranks()
+    deadline = time.monotonic() + EXIT_SECONDS
+    while any(proc.poll() is None for procs in _STARTED for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if any(proc.poll() is None for procs in _STARTED for proc in procs):
+        print(f"lightning_zero: ranks started by this process did not end within {EXIT_SECONDS:g} s of its exit.",
+              file=sys.stderr, flush=True)  # fmt: skip
         end_started_ranks()
     failed = [
         (rank, code)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_zero._files import reserved_mapping
-from lightning_zero._transport import failures, labels, peers, shm_files, watchdog
+from lightning_zero._transport import failures, labels, peers, shm_files, stalls
 
 SLOT_BYTES = 4 * 2**20
 RING_SIZE = 3  # gather buffers: the unit being gathered, one prefetched, one still being read by a slower rank
@@ -317,6 +317,8 @@ class Channel:
         if self._broken is not None:  # report it again at once: waiting another timeout would tell nothing new
             raise self._broken.with_traceback(None)
         if peers.timeouts_witnessed() != self._timeouts_seen:  # this rank already waited a timeout since they met
+            if (found := stalls.check_now(ask=False)) is not None:  # no: a verdict's release ended that collective
+                self._break(found)
             missing = peers.ranks(self._peers(), self._pids, one_of=True)
             pids = list(self._pids.values())
             self._break(peers.stalled(_WHERE, self.rank, missing, self._timeout, pids, peers.last_timeout()))
@@ -364,7 +366,7 @@ class Channel:
             if deadline is None:  # that wait took min(_POLL_SECONDS, timeout) of it
                 deadline = time.monotonic() + timeout - min(_POLL_SECONDS, timeout)
                 left = deadline - time.monotonic()
-            if (found := watchdog.verdict()) is not None:  # the ranks went different ways, or a peer stopped
+            if (found := stalls.verdict()) is not None:  # the ranks went different ways, or a peer stopped
                 self._break(found)
             for rank in waiting.values():  # what a failed peer announced says more than its exit
                 if (error := self._failure_of(rank)) is not None:

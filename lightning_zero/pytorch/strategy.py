@@ -48,7 +48,9 @@ from lightning_zero._core.checkpointed import Checkpointed
 from lightning_zero._core.front_end import ZeroFrontEnd, register_names, zero_aware_plugin
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 from lightning_zero._lightning_private import load_file
-from lightning_zero._transport import failures, watchdog
+from lightning_zero._transport import failures
+from lightning_zero._transport.stalls import as_verdict
+from lightning_zero._watchdog import watchdog
 from lightning_zero.pytorch.launcher import FullWeightsLauncher, ScriptLauncher
 from lightning_zero.pytorch.precision import zero_aware
 from lightning_zero.pytorch.preemption import DeferredRequeue, resumable
@@ -201,11 +203,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        failures.start_run()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.mode.setup_module(self.model, self.root_device)
+        self._in_run(self.mode, self.model)
         if fitting:
             self.setup_optimizers(trainer)
             self._report_due = self.config.memory_report
@@ -506,6 +508,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         failures.note_other_failures(exception)
         watchdog.note_verdict(exception)
 
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """As ``"ddp"``'s; released by the stall watchdog, it fails with the verdict."""
+        return as_verdict(partial(super().reduce, tensor, group, reduce_op))
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -513,7 +520,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.mode.teardown()
+        self._end_run([self.mode])
         if self.mode.keeps_sync_batchnorm:
             self._layer_sync = None
         # Lightning's teardown moves the module to the host; inside the user's `torch.inference_mode()` that move

@@ -5,7 +5,9 @@ rank, or a plain module whose forward runs one unit on rank 0 only.
 ``python -m tests.workers.divergent OUT``, the payload in ``OUT`` holding ``runs``: a list of ``(Divergence, strategy
 name, synced_gpus)`` run one after the other (``synced_gpus``: ``None`` leaves it out of the ``generate()`` call).
 After each run every rank writes ``OUT/<phase>-<strategy>-<synced>.rank<r>.json``: the token ids it generated, in
-order. A run that raises ends the process with its exception, as a user's script would; with ``rank1_fails_last``
+order. A run that raises ends the process with its exception, as a user's script would; with ``in_turn`` each run
+must end with the ranks' divergence, caught: every rank writes the error it raised instead, and the next run gets a
+process group of its own (the channel of a divergence stays broken); with ``rank1_fails_last``
 in the payload, rank 1 raises after the last run, once rank 0 has nothing left to do with it; with ``stall_after``,
 the ZeRO strategies get that bound of their stall watchdog.
 
@@ -27,7 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_zero import ZeroStrategy
-from tests.scenarios import Divergence, cpu_trainer, read_payload
+from lightning_zero._transport.labels import DivergedError
+from tests.scenarios import Divergence, cpu_trainer, new_process_group, read_payload
 
 NEW_TOKENS = (2, 7)  # per rank: rank 0 stops generating first
 VOCAB = 64
@@ -112,9 +115,25 @@ def run(phase: Divergence, name: str, synced: bool | None, stall_after: float | 
     return module.generated
 
 
+def in_turn(phase: Divergence, strategy: str, synced: bool | None) -> dict[str, Any]:
+    """Run it, expecting the ranks to diverge: the error this rank raised, and how long the run took."""
+    began = time.monotonic()
+    try:
+        run(phase, strategy, synced, None)
+    except DivergedError as error:
+        return {"error": str(error), "seconds": time.monotonic() - began}
+    return {"error": None, "seconds": time.monotonic() - began}
+
+
 def main(out: Path) -> None:
     payload = read_payload(out)
     for phase, strategy, synced in payload["runs"]:
+        if payload.get("in_turn"):
+            diverged = in_turn(phase, strategy, synced)
+            rank = torch.distributed.get_rank()
+            (out / f"{run_name(phase, strategy, synced)}.rank{rank}.json").write_text(json.dumps(diverged))
+            new_process_group()
+            continue
         generated = run(phase, strategy, synced, payload.get("stall_after"))
         rank = torch.distributed.get_rank()
         (out / f"{run_name(phase, strategy, synced)}.rank{rank}.json").write_text(json.dumps(generated))

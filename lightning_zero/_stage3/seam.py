@@ -1,7 +1,8 @@
-"""The seam between this package and the private parts of torch it relies on: nothing else in the package names a
-private attribute or module of ``fully_shard`` (or of DTensor, or of torch's process groups), and each thing used is
-a contract item below, checked on the real objects as stage 3 sets up (:func:`check_contract`), so that a torch whose
-internals differ fails there, with an error naming the item, never at step 100.
+"""The seam between stage 3 and the private parts of torch's ``fully_shard`` it relies on: nothing else in the package
+names a private attribute or module of ``fully_shard`` (or of DTensor), and each thing used is a contract item below,
+checked on the real objects as stage 3 sets up (:func:`check_contract`), so that a torch whose internals differ fails
+there, with an error naming the item, never at step 100. (Torch's process groups have a seam of their own, below
+every room: :mod:`lightning_zero._transport.c10d_private`.)
 
 The contract, item by item (:data:`CONTRACT` checks each; ``tests/test_seam.py`` exercises each on every torch CI
 runs):
@@ -19,9 +20,9 @@ runs):
 - **row split**: a parameter's rows on each rank (:func:`my_rows`), as ``fully_shard`` splits dim 0.
 - **own collectives**: on a torch whose ``fully_shard`` has no pluggable collectives (:data:`CUSTOM_COLLECTIVES` is
   false: 2.8), the module-level names through which a parameter group calls its all-gather and reduce-scatter,
-  rebound while a unit has callbacks before them (:func:`before_own_collectives`; :func:`forget_own_collectives`
-  restores them); where it has them, the interface of ``fully_shard``'s pluggable collectives (:class:`AllGather`,
-  :class:`ReduceScatter`), which :mod:`.fsdp_comms` implements on CPU process groups.
+  rebound while a unit has arounds (:func:`around_own_collectives`; :func:`forget_own_collectives`, or the last such
+  unit going away, restores them); where it has them, the interface of ``fully_shard``'s pluggable collectives
+  (:class:`AllGather`, :class:`ReduceScatter`), which :mod:`.collectives` implements on CPU process groups.
 - **reset**: a root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch, every unit resharded by hand in 2.8.
 - **DTensor layout**: a DTensor's own local tensor (:func:`local_tensor`, what an optimizer steps on), and its layout
@@ -29,32 +30,26 @@ runs):
   moves the tensor to its mesh's device type, and ``fully_shard`` keeps host-offloaded shards (and so their optimizer
   state) as host tensors on a CUDA mesh.
 
-Beyond ``fully_shard``, checked where used: ``_sync_module_states``, the broadcast of rank 0's parameters and buffers
-that DDP and FSDP start from; a ``DeviceMesh``'s own references to its process groups (:func:`release_mesh_groups`;
-a torch whose meshes hold none has nothing to release); the default process group's store (:func:`default_store`,
-where ranks tell each other why they failed; without it ``None``, and errors then do not name the other ranks'
-causes); the checkpoint wrapper class activation checkpointing puts around a unit (:data:`CheckpointWrapper`);
-the process groups that exist (:func:`process_groups`), whose collectives the stall watchdog releases (a torch that
-keeps no such map gives the default group alone).
+Beyond the contract, checked where used: the checkpoint wrapper class activation checkpointing puts around a unit
+(:data:`CheckpointWrapper`).
+
+The module imports torch alone: the offload room's shards in files (:mod:`lightning_zero._offload.param_files`), below
+stage 3, use it too.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup, Store
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
-from torch.distributed.utils import _sync_module_states as sync_module_states
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -65,55 +60,78 @@ except ImportError:  # older torch: `fully_shard` keeps its own collectives
     CUSTOM_COLLECTIVES = False
 
 
-# FSDPParam -> (called before its unit's all-gather, before its unit's reduce-scatter), where torch keeps its own
-_BEFORE_OWN: weakref.WeakKeyDictionary[Any, tuple[Callable[[], None], Callable[[], None]]] = weakref.WeakKeyDictionary()
-# the module-level names of `fully_shard`'s parameter group that :func:`before_own_collectives` rebinds, and what they
+Around = Callable[[Callable[[], Any]], Any]
+"""Runs the collective it is given (``fully_shard``'s own all-gather or reduce-scatter of one unit) and returns its
+result: what the package does around it (a label recorded before it, an error turned into the stall watchdog's
+verdict after it)."""
+
+# id(FSDPParam) -> (a weak reference to it, its unit's (gather, reduce) arounds), where torch keeps its own
+# collectives; an entry goes with its shard, and once none is left the names below are restored
+_AROUND_OWN: dict[int, tuple[weakref.ref[Any], tuple[Around, Around]]] = {}
+# the module-level names of `fully_shard`'s parameter group that :func:`around_own_collectives` rebinds, and what they
 # were bound to before; empty while nothing is rebound
 _OWN_COLLECTIVES = ("foreach_all_gather", "foreach_reduce")
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-def before_own_collectives(unit: FSDPModule, gather: Callable[[], None], reduce: Callable[[], None]) -> None:
-    """On a torch whose ``fully_shard`` keeps its own collectives: call ``gather`` just before each all-gather of
-    ``unit``'s parameters and ``reduce`` just before each reduce-scatter of its gradients, on the thread that starts
-    them (the calls its parameter group makes through ``foreach_all_gather`` and ``foreach_reduce``, rebound here
-    while any unit has callbacks: :func:`forget_own_collectives` restores them)."""
+def around_own_collectives(unit: FSDPModule, gather: Around, reduce: Around) -> None:
+    """On a torch whose ``fully_shard`` keeps its own collectives: run each all-gather of ``unit``'s parameters through
+    ``gather`` and each reduce-scatter of its gradients through ``reduce``, on the thread that starts them (the calls
+    its parameter group makes through ``foreach_all_gather`` and ``foreach_reduce``, rebound here while any unit has
+    arounds: :func:`forget_own_collectives`, or the last such unit going away, restores them)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
     if not _ORIGINALS:
         for which, name in enumerate(_OWN_COLLECTIVES):
             _ORIGINALS[name] = getattr(param_group, name)
-            setattr(param_group, name, _calling_first(_ORIGINALS[name], which))
+            setattr(param_group, name, _run_through(_ORIGINALS[name], which))
     for shard in unit_shards(unit):
-        _BEFORE_OWN[shard] = (gather, reduce)
+        _AROUND_OWN[id(shard)] = (weakref.ref(shard, _shard_gone), (gather, reduce))
 
 
-def own_collective_callbacks(unit: FSDPModule) -> tuple[Callable[[], None], Callable[[], None]] | None:
-    """The callbacks :func:`before_own_collectives` gave ``unit``, if it has any."""
+def own_collective_arounds(unit: FSDPModule) -> tuple[Around, Around] | None:
+    """The arounds :func:`around_own_collectives` gave ``unit``, if it has any."""
     shards = unit_shards(unit)
-    return _BEFORE_OWN.get(shards[0]) if shards else None
+    return _arounds_of(shards[0]) if shards else None
 
 
 def forget_own_collectives(unit: FSDPModule) -> None:
-    """Drop ``unit``'s callbacks; once no unit has any, ``fully_shard``'s module-level names are what they were."""
+    """Drop ``unit``'s arounds; once no unit has any, ``fully_shard``'s module-level names are what they were."""
+    for shard in unit_shards(unit):
+        _AROUND_OWN.pop(id(shard), None)
+    _restore_if_unused()
+
+
+def _arounds_of(shard: Any) -> tuple[Around, Around] | None:
+    entry = _AROUND_OWN.get(id(shard))
+    return entry[1] if entry is not None and entry[0]() is shard else None
+
+
+def _shard_gone(ref: weakref.ref[Any]) -> None:
+    """A shard with arounds was freed (its module dropped without a teardown: Fabric has none)."""
+    for key, (held, _) in list(_AROUND_OWN.items()):
+        if held is ref:
+            del _AROUND_OWN[key]
+    _restore_if_unused()
+
+
+def _restore_if_unused() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
-    for shard in unit_shards(unit):
-        _BEFORE_OWN.pop(shard, None)
-    if not _BEFORE_OWN and _ORIGINALS:
+    if not _AROUND_OWN and _ORIGINALS:
         for name in _OWN_COLLECTIVES:
             setattr(param_group, name, _ORIGINALS.pop(name))
 
 
-def _calling_first(collective: Callable[..., Any], which: int) -> Callable[..., Any]:
-    """``collective`` (its first argument: the unit's ``FSDPParam`` list), after the ``which`` callback registered
-    for that unit, if one is."""
+def _run_through(collective: Callable[..., Any], which: int) -> Callable[..., Any]:
+    """``collective`` (its first argument: the unit's ``FSDPParam`` list), run through the ``which`` around
+    registered for that unit, if one is."""
 
     def call(shards: list[Any], *args: Any, **kwargs: Any) -> Any:
-        before = _BEFORE_OWN.get(shards[0]) if shards else None
-        if before is not None:
-            before[which]()
-        return collective(shards, *args, **kwargs)
+        arounds = _arounds_of(shards[0]) if shards else None
+        if arounds is None:
+            return collective(shards, *args, **kwargs)
+        return arounds[which](lambda: collective(shards, *args, **kwargs))
 
     return call
 
@@ -250,27 +268,6 @@ def reset_after_failure(root: FSDPModule) -> None:
     root.set_reshard_after_forward(False, recurse=False)
 
 
-def release_mesh_groups(meshes: Iterable[DeviceMesh]) -> None:
-    """Make ``meshes`` (those this package created) drop their references to their process groups (``_pg_registry``,
-    in recent torch releases, shared with the meshes sliced from them). DTensor's caches (sharding propagation,
-    redistribution plans, mesh topology) keep meshes for the life of the process, and with them the groups, which
-    ``destroy_process_group`` then cannot destroy. For the end of a run only: a mesh without them cannot be compiled
-    through."""
-    for mesh in meshes:
-        getattr(mesh, "_pg_registry", {}).clear()
-
-
-def default_store() -> Store | None:
-    """The key-value store of the default process group (the rendezvous' TCP store), or None outside a group."""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None or not dist.is_initialized():
-        return None
-    try:
-        return get()
-    except (RuntimeError, ValueError):
-        return None
-
-
 class TorchContractError(RuntimeError):
     """The installed torch lacks something of ``fully_shard`` (or DTensor) this package relies on."""
 
@@ -332,6 +329,14 @@ def _rows_hold(unit: FSDPModule) -> bool:
     return all(holds(shard.sharded_param) for shard in unit_shards(unit))
 
 
+def _layout_holds(unit: FSDPModule) -> bool:
+    def holds(param: DTensor) -> bool:
+        moved = dtensor_like(param, torch.empty_like(param.to_local()))
+        return moved.placements == param.placements and moved.shape == param.shape and _has(param, "_local_tensor")
+
+    return all(holds(shard.sharded_param) for shard in unit_shards(unit))
+
+
 def _own_collectives_hold(unit: FSDPModule) -> bool:
     if CUSTOM_COLLECTIVES:
         return _has(unit, "set_custom_all_gather", "set_custom_reduce_scatter")
@@ -348,8 +353,7 @@ CONTRACT = (
     ContractItem("row split", "each rank's rows of a parameter built after sharding", _rows_hold),
     ContractItem("own collectives", "labels before each gather and reduction of a unit", _own_collectives_hold),
     ContractItem("reset", "a root at rest after an aborted step", lambda u: _has(u, "set_reshard_after_forward")),
-    ContractItem("DTensor layout", "steps on local tensors, state in files laid out", lambda u: all(
-        _has(shard.sharded_param, "_spec", "_local_tensor") for shard in unit_shards(u))),
+    ContractItem("DTensor layout", "steps on local tensors, state in files laid out", _layout_holds),
 )  # fmt: skip
 
 
@@ -371,16 +375,6 @@ def check_contract(units: list[FSDPModule]) -> None:
                 )
 
 
-def process_groups() -> list[ProcessGroup]:
-    """Every process group of this process that c10d keeps (the default one first)."""
-    if not dist.is_initialized():
-        return []
-    world = dist.group.WORLD
-    known = getattr(dist.distributed_c10d, "_world", None)
-    others = list(getattr(known, "pg_map", {}).keys())
-    return [world, *(group for group in others if group is not world)]
-
-
 __all__ = [
     "CONTRACT",
     "CUSTOM_COLLECTIVES",
@@ -388,25 +382,21 @@ __all__ = [
     "CheckpointWrapper",
     "ReduceScatter",
     "TorchContractError",
-    "before_own_collectives",
+    "around_own_collectives",
     "check_contract",
-    "default_store",
     "dtensor_like",
     "forget_own_collectives",
     "gather_for_recompute",
     "has_run_forward",
     "move_shard",
     "my_rows",
-    "own_collective_callbacks",
+    "own_collective_arounds",
     "padded_shard",
-    "process_groups",
     "registered",
-    "release_mesh_groups",
     "reset_after_failure",
     "settle_shards",
     "shard_grad",
     "shard_owner",
     "sharded_param",
-    "sync_module_states",
     "unit_shards",
 ]

@@ -1,9 +1,10 @@
-"""``fully_shard``'s all-gather and reduce-scatter on CPU process groups, done with this package's collectives.
+"""``fully_shard``'s all-gather and reduce-scatter on CPU process groups, done with this package's collectives
+(:mod:`lightning_zero._transport`); where torch keeps its own (NCCL, torch 2.8), a label recorded before each.
 
-On one host they go through shared memory (:mod:`.shared_memory`), where the all-gather output is a
-buffer of the shared gather ring when one fits: ``fully_shard`` copies this rank's shard into its row, and the
-all-gather is a barrier. Across hosts they are point-to-point exchanges (:mod:`.collectives`). Both
-complete before returning.
+On one host they go through shared memory (:mod:`lightning_zero._transport.shared_memory`), where the all-gather output
+is a buffer of the shared gather ring when one fits: ``fully_shard`` copies this rank's shard into its row, and the
+all-gather is a barrier. Across hosts they are point-to-point exchanges
+(:mod:`lightning_zero._transport.collectives`). Both complete before returning.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,15 +21,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_zero._transport import activity, labels, shared_memory
+from lightning_zero._stage3.seam import CUSTOM_COLLECTIVES, AllGather, ReduceScatter, around_own_collectives
+from lightning_zero._transport import activity, labels, shared_memory, stalls
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport.torch_private import (
-    CUSTOM_COLLECTIVES,
-    AllGather,
-    ReduceScatter,
-    before_own_collectives,
-)
 
+T = TypeVar("T")
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
 
@@ -75,36 +72,43 @@ def install(
 def _label_own_collectives(
     fsdp_modules: list[nn.Module], group: ProcessGroup, where: dict[nn.Module, tuple[str, str]]
 ) -> shared_memory.Channel | None:
-    """A torch whose ``fully_shard`` keeps its own collectives (torch 2.8): they stay gloo's, and where the ranks
-    share a host they meet in the channel, labelled, just before each, so that ranks that run different units fail
-    at once rather than pair one unit's gather with another's (:mod:`.labels`)."""
+    """A torch whose ``fully_shard`` keeps its own collectives (torch 2.8): they stay gloo's, and the ranks meet,
+    labelled, just before each (in the shared-memory channel where they share a host, in gloo's point-to-point
+    messages otherwise: :func:`lightning_zero._transport.collectives.meet`), so that ranks that run different units
+    fail at once rather than pair one unit's gather with another's, or with Lightning's broadcast
+    (:mod:`lightning_zero._transport.labels`)."""
     for module in fsdp_modules:
         # `fully_shard` averages by asking gloo for `ReduceOp.AVG`, which gloo sums instead, silently: have it sum,
         # and `fully_shard` divide the result
         assert isinstance(module, FSDPModule)
         module.set_force_sum_reduction_for_comms(True)
     channel = shared_memory.channel(group)
-    if channel is None:
-        _record_own_collectives(fsdp_modules, where)
-        return None
-    _before_own_collectives(fsdp_modules, where, channel.meet)
+    meet = channel.meet if channel is not None else partial(comm.meet, group=group)
+    _around_own_collectives(fsdp_modules, where, meet)
     return channel
 
 
 def _record_own_collectives(fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]]) -> None:
-    """Where ``fully_shard`` keeps its own collectives (NCCL; gloo on torch 2.8 without shared memory): each unit's
-    gather and reduction is recorded as it starts, for the stall watchdog (:mod:`.activity`)."""
-    _before_own_collectives(fsdp_modules, where, activity.entered)
+    """Where ``fully_shard`` keeps its own collectives on NCCL: each unit's gather and reduction is recorded as it
+    starts, for the stall watchdog (:mod:`lightning_zero._transport.activity`),
+    and one the watchdog released fails with its verdict (:func:`~lightning_zero._transport.stalls.as_verdict`)."""
+    _around_own_collectives(fsdp_modules, where, activity.entered)
 
 
-def _before_own_collectives(
-    fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]], call: Callable[[int], None]
+def _around_own_collectives(
+    fsdp_modules: list[nn.Module], where: dict[nn.Module, tuple[str, str]], before: Callable[[int], None]
 ) -> None:
-    """``call`` each unit's label just before each of its own gathers and reductions."""
+    """``before`` each unit's label just before each of its own gathers and reductions, and a collective released by
+    the stall watchdog failing with its verdict."""
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
         gather, reduce = labels.unit_gather(*where[module]), labels.unit_reduce(*where[module])
-        before_own_collectives(module, partial(call, gather), partial(call, reduce))
+        around_own_collectives(module, partial(_labelled, before, gather), partial(_labelled, before, reduce))
+
+
+def _labelled(before: Callable[[int], None], label: int, collective: Callable[[], T]) -> T:
+    before(label)
+    return stalls.as_verdict(collective)
 
 
 def _class_name(module: nn.Module) -> str:

@@ -21,20 +21,23 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_zero._transport import launched, mesh, shared_memory, watchdog
-from lightning_zero._transport.torch_private import release_mesh_groups
+from lightning_zero._core import run_scope
+from lightning_zero._transport import launched, mesh, shared_memory
+from lightning_zero._transport.c10d_private import release_mesh_groups
 from lightning_zero._transport.traffic import TRAFFIC
+from lightning_zero._watchdog import watchdog
 
 
 @atexit.register
 def _close_process_group() -> None:
     """Lightning leaves the process group open after training: close it, then release the groups (see the module);
-    then wait for the ranks this process started, if it did (:mod:`.launched`)."""
+    then wait for the ranks this process started, if it did (:mod:`lightning_zero._transport.launched`)."""
     failed = getattr(sys, "last_value", None) is not None  # an uncaught exception ends this process
     _drop_last_exception()
     # a rank that ends normally waits for its peers' ends: one still blocked in a collective it will never enter, or
     # stopped, fails this one too (the watchdog's verdict, printed), within `stall_after`
     stalled = watchdog.at_exit(failed) is not None and not failed
+    run_scope.end_current()  # a Fabric run ends here at the latest
     watchdog.stop()
     shared_memory.close_all(failed or stalled)
     if dist.is_available() and dist.is_initialized():
