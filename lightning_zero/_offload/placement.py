@@ -17,8 +17,8 @@ state and the step to host memory; :class:`OnDisk` does the same with the optimi
 Either can also keep stage 3's parameter shards and gradients in files (:class:`ParameterFiles`), and then steps the
 optimizer one unit at a time.
 :func:`placement_of` reads the options: where the optimizer lives, and whether stage 3's shards go to files. Files'
-pages leave the process, and under a memory limit the page cache, through one
-:class:`~lightning_zero._offload.page_cache.Writeback` shared by the shards' and the optimizer state's files.
+pages leave the process, and the page cache keeps them within the ``page_cache`` option's budget, through one
+:class:`~lightning_zero._offload.writeback.Writeback` shared by the shards' and the optimizer state's files.
 A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
 """
 
@@ -39,10 +39,11 @@ from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
 from lightning_zero._offload.kernels import KernelChoice
-from lightning_zero._offload.page_cache import Writeback, page_cache_policy
+from lightning_zero._offload.page_cache import PageCache, this_process_budget
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.writeback import Writeback
 from lightning_zero._transport.mesh import created
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ class OnDisk(OnHost):
     ) -> None:
         super().__init__(pin_memory=pin_memory, parameter_files=parameter_files)
         self.directory = directory
-        self.writeback = writeback or Writeback(page_cache_policy())
+        self.writeback = writeback or Writeback(this_process_budget(PageCache.AUTO))
         self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
 
     def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
@@ -260,8 +261,9 @@ class OnDisk(OnHost):
 
 def placement_of(config: ZeroConfig) -> Placement:
     """The placement the options ask for: the optimizer's offload target, and with ``offload_parameters="disk"``
-    stage 3's shards in :class:`ParameterFiles` under ``offload_dir``."""
-    writeback = Writeback(page_cache_policy())
+    stage 3's shards in :class:`ParameterFiles` under ``offload_dir``, their pages kept in the page cache within the
+    budget ``page_cache`` asks for."""
+    writeback = Writeback(this_process_budget(config.page_cache))
     files = None
     if config.offload_parameters is OffloadTarget.DISK:
         assert config.offload_dir is not None  # the options require it
