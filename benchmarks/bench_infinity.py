@@ -46,6 +46,7 @@ which the limit kills.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import resource
@@ -161,6 +162,7 @@ class Record(pl.Callback):
         self.losses: list[float] = []
         self.disk_reads: list[int] = []  # bytes this rank read from the disk, step by step
         self.page_cache: list[int] = []  # bytes its memory group held besides anonymous memory, at each step's end
+        self.traffic: list[tuple[int, float]] = []  # the budget's bytes written back and seconds waited, at each end
         self.measured: dict[str, int] = {}
         self._started = 0.0
         self._read = 0
@@ -176,6 +178,9 @@ class Record(pl.Callback):
         self.seconds.append(time.perf_counter() - self._started)
         self.losses.append(float(outputs["loss"]))
         self.disk_reads.append(disk_read_bytes() - self._read)
+        traffic = getattr(getattr(trainer.strategy.placement, "writeback", None), "traffic", None)
+        if traffic is not None:  # what the page-cache budget wrote back and waited for, so far
+            self.traffic.append((traffic.written_back, traffic.waited))
         usage = memory_group.own_usage()
         if usage is not None:
             self.page_cache.append(usage.page_cache)
@@ -255,7 +260,7 @@ def worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     trainer.fit(MODELS[args.model](args.width, args.layers, args.steps))
     results = {"baseline": baseline, "peak_rss": peak_rss_bytes(), "seconds": record.seconds, "losses": record.losses,
-               "disk_reads": record.disk_reads, "page_cache": record.page_cache}  # fmt: skip
+               "disk_reads": record.disk_reads, "page_cache": record.page_cache, "traffic": record.traffic}  # fmt: skip
     results.update(record.measured)
     results["peak_anonymous"] = anonymous.stop()
     if args.files_dir is not None:
@@ -300,6 +305,19 @@ class Run:
         """Bytes the memory group held besides anonymous memory at a step's end, median after the first step."""
         held = self.ranks[0]["page_cache"][1:]
         return statistics.median(held) if held else None
+
+    @property
+    def budget_traffic(self) -> tuple[float, float] | None:
+        """Bytes the page-cache budget wrote back and seconds it waited for them in a step of rank 0, median after the
+        first step; ``None`` without offload files."""
+        ends = self.ranks[0]["traffic"]
+        if len(ends) < 2:
+            return None
+        steps = list(itertools.pairwise(ends))
+        return (
+            statistics.median(b[0] - a[0] for a, b in steps),
+            statistics.median(b[1] - a[1] for a, b in steps),
+        )
 
     @property
     def label(self) -> str:
@@ -373,9 +391,10 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
     lines = [
         "| way | memory limit | parameters (B) | model states (GiB, 16 B/param) | peak RSS per rank, rank 0 / 1 (GiB)"
         " | anonymous peak per rank (GiB) | group peak (GiB) | limit hits | page cache at step end (GiB)"
-        " | disk reads per step (GiB) | host bytes per parameter at peak | s/step | x unlimited"
+        " | disk reads per step (GiB) | written back by the budget per step, rank 0 (GiB) | waited for it (s/step)"
+        " | host bytes per parameter at peak | s/step | x unlimited"
         " | largest model on this machine (B params, derived) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     unlimited = {run.label: run.step_seconds for run in runs if isinstance(run, Run) and run.limit is None}
     for run in runs:
@@ -386,13 +405,16 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
         anonymous = " / ".join(f"{r['peak_anonymous'] / GIB:.2f}" for r in run.ranks)
         group = "- | -" if run.group is None else f"{run.group.peak / GIB:.2f} | {run.group.limit_hits}"
         held = "-" if run.page_cache_held is None else f"{run.page_cache_held / GIB:.2f}"
+        traffic = "- | -"
+        if run.budget_traffic is not None:
+            traffic = f"{run.budget_traffic[0] / GIB:.2f} | {run.budget_traffic[1]:.2f}"
         price = "-"
         if run.limit is not None and run.label in unlimited:
             price = f"{run.step_seconds / unlimited[run.label]:.2f}"
         limit = "none" if run.limit is None else f"{sig(run.limit)} GiB"
         lines.append(
             f"| {run.label} | {limit} | {sig(run.params / 1e9, 4)} | {sig(STATE_BYTES * run.params / GIB)} | {peaks}"
-            f" | {anonymous} | {group} | {held} | {run.disk_reads / GIB:.2f}"
+            f" | {anonymous} | {group} | {held} | {run.disk_reads / GIB:.2f} | {traffic}"
             f" | {run.per_param:.2f} | {sig(run.step_seconds)} | {price} | {sig(run.largest(mem_total) / 1e9)} |"
         )
     return lines

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -41,6 +42,15 @@ class MappedFile:
 
     def __post_init__(self) -> None:
         weakref.finalize(self.mapping, os.close, self.fd)
+
+
+@dataclass
+class Traffic:
+    """What a :class:`Writeback` did so far, for benchmarks and tests."""
+
+    written_back: int = 0  # bytes whose writeback it started
+    dropped: int = 0  # bytes it dropped from the page cache
+    waited: float = 0.0  # seconds it waited for writebacks
 
 
 class RangeState(enum.Enum):
@@ -78,6 +88,7 @@ class Writeback:
         self._of_file: weakref.WeakKeyDictionary[MappedFile, list[CachedRange]] = weakref.WeakKeyDictionary()
         self._writing: deque[tuple[CachedRange, int]] = deque()  # writebacks under way, oldest first: range, writes
         self._cached = self._dirty_bytes = self._writing_bytes = self._dropping_bytes = 0
+        self.traffic = Traffic()
 
     # --- what the offload files tell ---------------------------------------------------------------------------------
 
@@ -153,9 +164,7 @@ class Writeback:
         """Drop ``cached`` from the page cache: now if it is clean, once written back if not."""
         if cached.state is RangeState.CLEAN:
             self._forget(cached)
-            file = cached.file()
-            if file is not None:
-                os.posix_fadvise(file.fd, cached.offset, cached.length, os.POSIX_FADV_DONTNEED)
+            self._discard(cached)
             return
         cached.dropping = True
         self._cached -= cached.length
@@ -170,6 +179,7 @@ class Writeback:
             self._forget(cached)
             return
         start_writeback(file.fd, cached.offset, cached.length)
+        self.traffic.written_back += cached.length
         self._set(cached, RangeState.WRITING)
         self._writing.append((cached, cached.writes))
         self._writing_bytes += cached.length
@@ -181,14 +191,22 @@ class Writeback:
         self._writing_bytes -= cached.length
         file = cached.file()
         if file is not None:
+            started = time.perf_counter()
             wait_written(file.fd, cached.offset, cached.length)
+            self.traffic.waited += time.perf_counter() - started
         if cached.writes != writes or cached.state is not RangeState.WRITING:
             return  # written again (or replaced) since: its pages are dirty again
         self._set(cached, RangeState.CLEAN)
         if cached.dropping and cached in self._ranges:
             self._forget(cached)
-            if file is not None:
-                os.posix_fadvise(file.fd, cached.offset, cached.length, os.POSIX_FADV_DONTNEED)
+            self._discard(cached)
+
+    def _discard(self, cached: CachedRange) -> None:
+        """Drop a clean range's pages from the page cache."""
+        file = cached.file()
+        if file is not None:
+            os.posix_fadvise(file.fd, cached.offset, cached.length, os.POSIX_FADV_DONTNEED)
+            self.traffic.dropped += cached.length
 
     # --- the ranges --------------------------------------------------------------------------------------------------
 
