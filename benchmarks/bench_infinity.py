@@ -28,7 +28,7 @@ unlimited and say so. ``--page-cache auto,drop`` runs ``"zero3_infinity"`` once 
 - **anonymous peak**: a rank's largest anonymous memory (``RssAnon``, sampled every 2 ms on a thread): what it holds
   that no file backs;
 - **group peak**: in a memory group, its largest usage, both ranks' anonymous memory and the page cache they read or
-  dirtied; **limit hits**: how often a charge found it at its limit (the kernel then reclaims, or kills);
+  dirtied (at the limit: the kernel reclaimed there, or killed);
 - **page cache at step end**: in a memory group, what it holds besides anonymous memory at the end of each step after
   the first (median): the offload files' pages the budget keeps;
 - **disk reads per step**: what both ranks read from the disk in a step after the first (median; ``read_bytes`` of
@@ -390,11 +390,11 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
     by those of the same way's unlimited run."""
     lines = [
         "| way | memory limit | parameters (B) | model states (GiB, 16 B/param) | peak RSS per rank, rank 0 / 1 (GiB)"
-        " | anonymous peak per rank (GiB) | group peak (GiB) | limit hits | page cache at step end (GiB)"
+        " | anonymous peak per rank (GiB) | group peak (GiB) | page cache at step end (GiB)"
         " | disk reads per step (GiB) | written back by the budget per step, rank 0 (GiB) | waited for it (s/step)"
         " | host bytes per parameter at peak | s/step | x unlimited"
         " | largest model on this machine (B params, derived) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     unlimited = {run.label: run.step_seconds for run in runs if isinstance(run, Run) and run.limit is None}
     for run in runs:
@@ -403,7 +403,7 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
             continue
         peaks = " / ".join(f"{r['peak_rss'] / GIB:.2f}" for r in run.ranks)
         anonymous = " / ".join(f"{r['peak_anonymous'] / GIB:.2f}" for r in run.ranks)
-        group = "- | -" if run.group is None else f"{run.group.peak / GIB:.2f} | {run.group.limit_hits}"
+        group = "-" if run.group is None else f"{run.group.peak / GIB:.2f}"
         held = "-" if run.page_cache_held is None else f"{run.page_cache_held / GIB:.2f}"
         traffic = "- | -"
         if run.budget_traffic is not None:

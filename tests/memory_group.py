@@ -3,10 +3,9 @@ limit does (SLURM's ``ConstrainRAMSpace``, a Kubernetes limit): cgroup v2 where 
 otherwise. Making one needs root.
 
 :func:`made` makes a group for processes to :func:`enter`, and :func:`joined` moves the calling process into one for the
-duration of a ``with`` block, so that the processes it starts there are in it (memory it held before stays charged
-where it was); afterwards the group's peak usage (anonymous memory and page cache), how often it reached its limit
-and the OOM killer's kills in it are read, and the group is removed. A group without a limit accounts the same, for a
-run to compare with.
+duration of a ``with`` block, so that the processes it starts there are in it (memory it held before stays charged where
+it was); afterwards the group's peak usage (anonymous memory and page cache) and the OOM killer's kills in it are read,
+and the group is removed. A group without a limit accounts the same, for a run to compare with.
 :class:`AnonymousPeak` measures, in any process and without a group, the largest anonymous memory it held, and
 :func:`resident_peak` the largest resident memory, exactly, since :func:`reset_resident_peak`; :func:`own_usage` tells
 what the process's group uses now.
@@ -37,12 +36,11 @@ class Hierarchy:
     swap_limit: str | None  # memory and swap together (v1) or swap alone (v2); absent without swap accounting
     peak: str  # the largest usage since the group was made
     events: str  # where the OOM killer's kills are counted (an ``oom_kill N`` line)
-    hits: str  # where the times its usage reached the limit are counted (v1: the number; v2: a ``max N`` line)
 
 
-V2 = Hierarchy(2, CGROUP, "memory.max", "memory.swap.max", "memory.peak", "memory.events", "memory.events")
+V2 = Hierarchy(2, CGROUP, "memory.max", "memory.swap.max", "memory.peak", "memory.events")
 V1 = Hierarchy(1, CGROUP / "memory", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes",
-               "memory.max_usage_in_bytes", "memory.oom_control", "memory.failcnt")  # fmt: skip
+               "memory.max_usage_in_bytes", "memory.oom_control")  # fmt: skip
 
 
 def hierarchy() -> Hierarchy | None:
@@ -52,7 +50,7 @@ def hierarchy() -> Hierarchy | None:
     for root in (CGROUP, CGROUP / "unified"):
         controllers = root / "cgroup.controllers"
         if controllers.exists() and "memory" in controllers.read_text().split():
-            return Hierarchy(2, root, V2.limit, V2.swap_limit, V2.peak, V2.events, V2.hits)
+            return Hierarchy(2, root, V2.limit, V2.swap_limit, V2.peak, V2.events)
     if (V1.root / V1.limit).exists():
         return V1
     return None
@@ -73,7 +71,6 @@ class GroupResult:
 
     peak: int = 0  # bytes: its largest usage, anonymous memory and page cache
     oom_kills: int = 0
-    limit_hits: int = 0  # times a charge found its usage at the limit (and reclaimed, or failed)
 
 
 @contextmanager
@@ -98,7 +95,6 @@ def made(limit: int | None, name: str = "lightning_zero_bench") -> Iterator[tupl
         finally:
             result.peak = int((group / found.peak).read_text())
             result.oom_kills = _counted(group / found.events, "oom_kill")
-            result.limit_hits = _limit_hits(found, group)
     finally:
         _remove(group)
 
@@ -151,11 +147,6 @@ def _counted(events: Path, name: str) -> int:
             return int(value)
     return 0
 
-
-def _limit_hits(found: Hierarchy, group: Path) -> int:
-    if found.version == 1:
-        return int((group / found.hits).read_text())
-    return _counted(group / found.hits, "max")
 
 
 def _remove(group: Path) -> None:

@@ -63,23 +63,28 @@ def test_memory_limit_is_the_tightest_over_the_group_and_its_ancestors(tmp_path:
 
 
 def test_usage_is_read_from_the_limiting_group_of_either_version(tmp_path: Path) -> None:
-    """Usage, anonymous memory (shared memory with it: it cannot be dropped) and dirty pages over the subtree."""
+    """Usage, anonymous memory (shared memory with it: it cannot be dropped), dirty pages over the subtree, and the
+    peak (the usage where the kernel keeps none)."""
     _tree(tmp_path, {
         "v1/memory.usage_in_bytes": str(5 * GIB),
+        "v1/memory.max_usage_in_bytes": str(7 * GIB),
         "v1/memory.stat": f"cache 7\nrss 9\ntotal_cache {3 * GIB}\ntotal_rss {GIB}\ntotal_shmem {GIB // 2}\n"
                           f"total_dirty {GIB // 4}\ntotal_writeback {GIB // 8}\n",
         "v2/memory.current": str(5 * GIB),
+        "v2/memory.peak": str(7 * GIB),
         "v2/memory.stat": f"anon {GIB}\nfile {3 * GIB}\nshmem {GIB // 2}\nfile_dirty {GIB // 4}\n"
                           f"file_writeback {GIB // 8}\n",
     })  # fmt: skip
-    expected = Usage(total=5 * GIB, anonymous=GIB + GIB // 2, dirty=GIB // 4 + GIB // 8)
+    expected = Usage(total=5 * GIB, anonymous=GIB + GIB // 2, dirty=GIB // 4 + GIB // 8, peak=7 * GIB)
     for version in Version:
         usage = MemoryGroup(tmp_path / version.name.lower(), version, 6 * GIB).usage()
         assert usage == expected, version
         assert usage.page_cache == 5 * GIB - GIB - GIB // 2
+    (tmp_path / "v2/memory.peak").unlink()  # before Linux 5.19
+    assert MemoryGroup(tmp_path / "v2", Version.V2, 6 * GIB).usage().peak == 5 * GIB
 
 
-# --- the budgets ------------------------------------------------------------------------------------------------------
+# --- the budgets ---------------------------------------------------------------------------------------------------
 
 
 def test_auto_is_the_group_budget_only_under_a_limit_below_the_machine(tmp_path: Path) -> None:
@@ -92,31 +97,35 @@ def test_auto_is_the_group_budget_only_under_a_limit_below_the_machine(tmp_path:
     assert budget_for(GIB, group, physical=24 * GIB) == Fixed(GIB)
 
 
-def test_group_room_learns_the_working_set_and_drops_what_the_limit_cannot_hold(tmp_path: Path) -> None:
-    """The room is the limit less the anonymous peak read so far and 1/16 of the limit; the page cache beyond it is
-    dropped (less what is being dropped already), dirty pages beyond half the room or a quarter of the limit written
-    back (less the writebacks under way), and past half the headroom a rank waits."""
+def test_group_room_learns_the_working_set_and_what_grows_between_readings(tmp_path: Path) -> None:
+    """The room is the limit less the largest anonymous usage read and a headroom: 1/16 of the limit, or the most the
+    usage rose above one reading before the next (the group's peak shows it) if more. The page cache beyond the room
+    is dropped (less what is being dropped already, and making room for pages about to be read ahead), dirty pages
+    beyond half the room or a quarter of the limit written back (less the writebacks under way), and over the room a
+    rank waits for its writebacks; pages to read ahead are admitted if they fit once this rank's ranges are gone."""
 
-    def read(total: int, anonymous: int, dirty: int = 0) -> None:
+    def read(total: float, anonymous: float, dirty: float, peak: float) -> None:
         _tree(tmp_path, {
-            "memory.current": str(total),
-            "memory.stat": f"anon {anonymous}\nfile_dirty {dirty}\nfile_writeback 0\n",
+            "memory.current": str(int(total * GIB)),
+            "memory.peak": str(int(peak * GIB)),
+            "memory.stat": f"anon {int(anonymous * GIB)}\nfile_dirty {int(dirty * GIB)}\nfile_writeback 0\n",
         })  # fmt: skip
 
     room = GroupRoom(MemoryGroup(tmp_path, Version.V2, 16 * GIB))
     nothing = Held(cached=0, dirty=0, writing=0, dropping=0)
-    read(total=5 * GIB, anonymous=3 * GIB, dirty=GIB)
-    assert room.excess(nothing) == Excess()  # room for 12 GiB of page cache
-    assert room.room() == 12 * GIB
-    read(total=15 * GIB, anonymous=11 * GIB, dirty=GIB)
-    assert room.room() == 12 * GIB  # the reading comes first
-    assert room.excess(nothing) == Excess(drop=0, write=0)  # 4 GiB of page cache, room for 4 now
-    read(total=6 * GIB, anonymous=2 * GIB, dirty=3 * GIB)  # the working set shrank: its peak still counts
-    assert room.excess(nothing) == Excess(drop=0, write=GIB)  # 2 GiB of dirty pages allowed: half the room
-    read(total=14 * GIB, anonymous=2 * GIB, dirty=GIB)
-    assert room.excess(nothing) == Excess(drop=8 * GIB, over=8 * GIB - GIB // 2)
-    going = Held(cached=0, dirty=0, writing=2 * GIB, dropping=2 * GIB)
-    assert room.excess(going) == Excess(drop=6 * GIB, over=8 * GIB - GIB // 2)
+    read(total=5, anonymous=3, dirty=1, peak=5)
+    assert room.excess(nothing) == Excess() and room.headroom == GIB and room.room() == 12 * GIB
+    read(total=6, anonymous=4, dirty=1, peak=8)  # between the readings the usage rose 3 GiB above the first
+    assert room.excess(nothing) == Excess() and room.headroom == 3 * GIB and room.room() == 9 * GIB
+    read(total=5, anonymous=2, dirty=1, peak=8)  # the working set shrank: its peak still counts
+    assert room.excess(nothing) == Excess() and room.room() == 9 * GIB
+    read(total=12, anonymous=2, dirty=6, peak=12)  # rose 7 GiB: 10 GiB of page cache, room for 5, dirty 2.5
+    assert room.excess(nothing) == Excess(drop=5 * GIB, write=int(3.5 * GIB), over=5 * GIB)
+    going = Held(cached=4 * GIB, dirty=0, writing=2 * GIB, dropping=2 * GIB)
+    assert room.excess(going) == Excess(drop=3 * GIB, write=int(1.5 * GIB), over=5 * GIB)
+    assert room.excess(nothing, incoming=GIB) == Excess(drop=6 * GIB, write=int(3.5 * GIB), over=5 * GIB)
+    assert room.admits(going, incoming=GIB)  # 10 - 4 - 2 + 1 <= 5
+    assert not room.admits(nothing, incoming=GIB)
 
 
 def test_a_fixed_budget_counts_this_ranks_ranges() -> None:
@@ -193,17 +202,19 @@ def _mapped_resident(file: MappedFile) -> int:
 
 
 def test_a_range_read_ahead_outlives_older_ones(on_disk: Path) -> None:
-    """The budget drops the least recently used: a range being read ahead is the newest, and one that was to be
-    dropped once written back stays."""
+    """The budget drops the least recently used: a range read ahead is in use until it leaves again, as the newest,
+    and one that was to be dropped once written back stays."""
     writeback = Writeback(Fixed(2 * MIB), under_way=4 * MIB)
     first, second = _left(on_disk, writeback, 2)
-    writeback.reading(first, 0, MIB)
+    writeback.read_ahead(first, 0, MIB)
+    assert writeback.held.cached == MIB  # the second alone: the first is in use
+    writeback.leave(first, 0, MIB, written=False)
     (third,) = _left(on_disk, writeback, 1)
     writeback.drain()
     assert _cached([first, second, third]) == [1, 0, 1]
     writeback = Writeback(Fixed(0), under_way=4 * MIB)
     (going,) = _left(on_disk, writeback, 1)  # its writeback is under way: dropped once it is done...
-    writeback.reading(going, 0, MIB)  # ...unless read again first
+    writeback.read_ahead(going, 0, MIB)  # ...unless read again first
     writeback.drain()
     assert _cached([going]) == [1]
 
@@ -258,8 +269,8 @@ def test_pages_leave_the_cache_under_a_tight_group_and_stay_under_a_roomy_one(on
     assert gone > 0 and resident == [0] * gone + [size] * (count - gone), resident
     assert sum(resident) <= tight["room"] + size, (resident, tight["room"])
     assert roomy["resident"] == [size] * count, roomy["resident"]
-    for group in (tight_group, roomy_group):
-        assert group.oom_kills == 0 and group.limit_hits == 0, group
+    assert tight_group.oom_kills == roomy_group.oom_kills == 0
+    assert tight["peak"] < 128 * MIB and roomy["peak"] < GIB, (tight["peak"], roomy["peak"])
 
 
 # --- the option -------------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Vocabulary:
   ancestors (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``): what it reports covers every process below
   it, the other ranks of a job included.
 - **usage**: the limiting group's bytes now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``), and of them its
-  anonymous memory and its dirty and under-writeback page cache (``memory.stat``, over its whole subtree).
+  anonymous memory and its dirty and under-writeback page cache (``memory.stat``, over its whole subtree); and the
+  most it ever held (v2 ``memory.peak``, v1 ``memory.max_usage_in_bytes``), which shows a rise between two readings
+  that was gone by the second.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ _UNLIMITED = 2**62  # cgroup v1 reports "no limit" as a number near 2**63
 class Version(enum.Enum):
     """A cgroup hierarchy's version, and the names of its memory files."""
 
-    V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_rss", "total_shmem"), ("total_dirty",
-          "total_writeback"))  # fmt: skip
-    V2 = ("memory.max", "memory.current", ("anon", "shmem"), ("file_dirty", "file_writeback"))
+    V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes", ("total_rss",
+          "total_shmem"), ("total_dirty", "total_writeback"))  # fmt: skip
+    V2 = ("memory.max", "memory.current", "memory.peak", ("anon", "shmem"), ("file_dirty", "file_writeback"))
 
-    def __init__(self, limit: str, usage: str, anonymous: tuple[str, ...], dirty: tuple[str, ...]) -> None:
+    def __init__(self, limit: str, usage: str, peak: str, anonymous: tuple[str, ...], dirty: tuple[str, ...]) -> None:
         self.limit = limit
         self.usage = usage
+        self.peak = peak  # the largest usage so far (v2 since Linux 5.19)
         self.anonymous = anonymous  # ``memory.stat`` keys summed: memory no file backs (shared memory is pinned too)
         self.dirty = dirty  # ``memory.stat`` keys summed: page cache not yet on the disk
 
@@ -41,6 +44,7 @@ class Usage:
     total: int  # everything charged to it: anonymous memory, page cache, kernel memory
     anonymous: int
     dirty: int  # page cache written and not yet on the disk, or being written
+    peak: int  # the largest total so far (the total where the kernel does not say)
 
     @property
     def page_cache(self) -> int:
@@ -63,10 +67,15 @@ class MemoryGroup:
             key, _, value = line.partition(" ")
             stat[key] = int(value)
         total = int((self.path / self.version.usage).read_text())
+        try:
+            peak = int((self.path / self.version.peak).read_text())
+        except OSError:
+            peak = total
         return Usage(
             total=total,
             anonymous=sum(stat.get(key, 0) for key in self.version.anonymous),
             dirty=sum(stat.get(key, 0) for key in self.version.dirty),
+            peak=peak,
         )
 
 

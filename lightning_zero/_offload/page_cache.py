@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
-from lightning_zero._offload.cgroup import MemoryGroup, limiting_group
+from lightning_zero._offload.cgroup import MemoryGroup, Usage, limiting_group
 
 HEADROOM_SHARE = 16  # 1/16 of a memory limit is left free beside the working set's peak and the files' pages
 DIRTY_SHARE = 4  # the group's dirty pages stay under 1/4 of its limit, and under half its page-cache budget
@@ -71,8 +71,14 @@ class Excess:
 class Budget(Protocol):
     """What the page cache may hold of this rank's ranges."""
 
-    def excess(self, held: Held) -> Excess:
-        """What to drop and write back now, ``held`` being this rank's ranges."""
+    def excess(self, held: Held, incoming: int = 0) -> Excess:
+        """What to drop and write back now, ``held`` being this rank's ranges, to make room for ``incoming`` bytes
+        about to be read ahead."""
+        ...
+
+    def admits(self, held: Held, incoming: int) -> bool:
+        """Whether ``incoming`` bytes read ahead fit once this rank's ranges are dropped: if not, they are read as
+        used."""
         ...
 
 
@@ -82,39 +88,62 @@ class Fixed:
 
     nbytes: int
 
-    def excess(self, held: Held) -> Excess:
+    def excess(self, held: Held, incoming: int = 0) -> Excess:
         return Excess(drop=max(held.cached - self.nbytes, 0), write=max(held.dirty - self.nbytes // 2, 0))
+
+    def admits(self, held: Held, incoming: int) -> bool:
+        return True  # it budgets the pages that left the process
 
 
 class GroupRoom:
     """The room a memory group's limit leaves the page cache, read from the group itself: its limit less the peak of
-    its anonymous memory (every rank's working set, learned from the readings) and a headroom of
-    1/:data:`HEADROOM_SHARE` of the limit (what grows between two readings: a unit gathered, pages read ahead). The
+    its anonymous memory (every rank's working set, learned from the readings) and a headroom for what grows between
+    two readings (:attr:`headroom`: a unit's pages worked on, pages read ahead, learned too). The
     group's page cache beyond it is dropped, each rank dropping its own oldest ranges; its dirty pages beyond
     1/:data:`DIRTY_SHARE` of the limit or half the room are written back. Ranges being dropped stay in memory until
-    written back: they may take half the headroom, beyond which a rank waits for its writebacks, so that the group
-    stays below its limit."""
+    written back: once the page cache is over the room with them, a rank waits for its writebacks, so that the group
+    stays below its limit. Pages read ahead are read only if they fit the room once this rank's ranges are dropped
+    (the oldest then go first), else as they are used."""
 
     def __init__(self, group: MemoryGroup) -> None:
         self.group = group
-        self.headroom = group.limit // HEADROOM_SHARE
         self.anonymous_peak = 0  # bytes: the largest anonymous usage read
+        self.largest_rise = 0  # bytes: the most the group's usage rose above a reading before the next one
+        self._last: Usage | None = None
+
+    @property
+    def headroom(self) -> int:
+        """What is kept free beside the room: 1/:data:`HEADROOM_SHARE` of the limit, or the most the group's usage
+        rose above one reading before the next (the ranks gather, compute and write between them) if that is more."""
+        return max(self.group.limit // HEADROOM_SHARE, self.largest_rise)
 
     def room(self) -> int:
         """Bytes of page cache the group may hold, as the readings so far tell."""
         return max(self.group.limit - self.anonymous_peak - self.headroom, 0)
 
-    def excess(self, held: Held) -> Excess:
-        usage = self.group.usage()
-        self.anonymous_peak = max(self.anonymous_peak, usage.anonymous)
+    def excess(self, held: Held, incoming: int = 0) -> Excess:
+        usage = self._read()
         room = self.room()
         dirty_allowance = min(room // 2, self.group.limit // DIRTY_SHARE)
         # the readings count what this rank has set going: pages being dropped and writebacks under way
         return Excess(
-            drop=max(usage.page_cache - held.dropping - room, 0),
+            drop=max(usage.page_cache + incoming - held.dropping - room, 0),
             write=max(usage.dirty - held.writing - dirty_allowance, 0),
-            over=max(usage.page_cache - room - self.headroom // 2, 0),
+            over=max(usage.page_cache - room, 0),
         )
+
+    def admits(self, held: Held, incoming: int) -> bool:
+        usage = self._read()
+        return usage.page_cache - held.cached - held.dropping + incoming <= self.room()
+
+    def _read(self) -> Usage:
+        usage = self.group.usage()
+        self.anonymous_peak = max(self.anonymous_peak, usage.anonymous)
+        if self._last is not None:  # what the group's peak shows of the time between, or the usage now
+            top = usage.peak if usage.peak > self._last.peak else usage.total
+            self.largest_rise = max(self.largest_rise, top - self._last.total)
+        self._last = usage
+        return usage
 
 
 def physical_memory() -> int:

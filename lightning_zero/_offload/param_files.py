@@ -96,11 +96,10 @@ class UnitFiles:
 
     def read_ahead(self, writeback: Writeback, *, gradients: bool) -> None:
         """Have the kernel read the unit's shards (and its gradients, with ``gradients``), while the process works on
-        others."""
+        others, as far as the page cache's budget has room."""
         for file in (self.shards, self.grads) if gradients else (self.shards,):
             if file is not None:
-                writeback.reading(file, 0, self.nbytes)
-                file.mapping.madvise(mmap.MADV_WILLNEED, 0, self.nbytes)
+                writeback.read_ahead(file, 0, self.nbytes)
 
     def leave(self, writeback: Writeback, written: Written, region: Region | None = None) -> None:
         """The unit's pages (or one region's), shards and gradients alike, leave the process."""

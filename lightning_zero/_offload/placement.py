@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
+from lightning_zero._offload.keepalives import free_after_use
 from lightning_zero._offload.kernels import KernelChoice
 from lightning_zero._offload.page_cache import PageCache, this_process_budget
 from lightning_zero._offload.param_files import ParameterFiles
@@ -185,7 +186,7 @@ class OnHost(Placement):
         self, root: nn.Module, units: list[nn.Module], device: torch.device
     ) -> Generator[Callable[[str], None] | None, None, None]:
         """Shards in files move there unit by unit as they get their values on the host (on a GPU, once all have
-        theirs and are back on the host)."""
+        theirs and are back on the host); on the CPU, fewer copies of a unit stay alive (:mod:`.keepalives`)."""
         files = self.parameter_files
         if files is None:
             yield None
@@ -193,6 +194,8 @@ class OnHost(Placement):
         files.expect(root, units)
         yield files.filled if device.type == "cpu" else None
         files.adopt()
+        if device.type == "cpu":
+            free_after_use([root, *units])
 
     def keep_step_kernels(self, optimizer: Optimizer) -> None:
         self._kernels[id(optimizer)] = KernelChoice.on_shards(optimizer, host=True)

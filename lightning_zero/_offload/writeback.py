@@ -9,12 +9,12 @@ after each range leaves asks the budget what is over it:
   and goes once that is done;
 - to **write back**, oldest dirty ranges first: their writeback starts, and they stay cached, clean, once done.
 
-Ranges read ahead (:meth:`Writeback.reading`) become the newest, so the next units' pages are the last to go; one
-that was about to be dropped stays. Writebacks are of a range, not of its file (:mod:`.sync_range`), and at most
-``under_way`` bytes of them are waited for at a time: past that, the oldest is waited for before the next starts,
-which paces the writes to the disk's speed; a budget that finds memory over its bound has the oldest waited for
-until it is not. The ranges hold their files weakly: a file the process let go of takes
-its ranges along.
+Ranges read ahead (:meth:`Writeback.read_ahead`) are in use again: none is dropped until it leaves again, as the newest
+(one that was about to be dropped stays), and they are read ahead only if the budget has room for them. Writebacks are
+of a range, not of its file (:mod:`.sync_range`), and at most ``under_way`` bytes of them are waited for at a time: past
+that, the oldest is waited for before the next starts, which paces the writes to the disk's speed; a budget that finds
+memory over its bound has the oldest waited for until it is not. The ranges hold their files weakly: a file the process
+let go of takes its ranges along.
 """
 
 from __future__ import annotations
@@ -106,20 +106,22 @@ class Writeback:
         self._list(cached)
         self._keep_within_budget()
 
-    def reading(self, file: MappedFile, offset: int, length: int) -> None:
-        """``length`` bytes of ``file`` from ``offset`` are being read ahead: their ranges become the newest, and
-        stay if they were to be dropped."""
-        if self.budget is None:
-            return
+    def read_ahead(self, file: MappedFile, offset: int, length: int) -> None:
+        """Have the kernel read ``length`` bytes of ``file`` from ``offset`` while the process works on others, if the
+        budget has room for them (the oldest ranges dropped to make it); their ranges are in use until they leave
+        again, and stay if they were to be dropped."""
+        if self.budget is not None:
+            self._reading(file, offset, length)
+            if not self.budget.admits(self.held, length):
+                return  # read as they are used
+            self._keep_within_budget(incoming=length)
+        file.mapping.madvise(mmap.MADV_WILLNEED, offset, length)
+
+    def _reading(self, file: MappedFile, offset: int, length: int) -> None:
+        """The ranges being read ahead are in use again: out of the order (and kept) until they leave again."""
         for cached in self._of_file.get(file, ()):
             if cached.overlaps(offset, length):
-                self._ranges.move_to_end(cached)
-                if cached.state is RangeState.DIRTY:
-                    self._dirty.move_to_end(cached)
-                if cached.dropping:
-                    cached.dropping = False
-                    self._dropping_bytes -= cached.length
-                    self._cached += cached.length
+                self._unlist(cached)
 
     def drain(self) -> None:
         """Wait for every writeback under way (and drop the ranges that were to go)."""
@@ -133,9 +135,9 @@ class Writeback:
 
     # --- the budget --------------------------------------------------------------------------------------------------
 
-    def _keep_within_budget(self) -> None:
+    def _keep_within_budget(self, incoming: int = 0) -> None:
         assert self.budget is not None
-        excess = self.budget.excess(self.held)
+        excess = self.budget.excess(self.held, incoming)
         drop, write = excess.drop, excess.write
         going = []
         for cached in self._ranges if drop > 0 else ():

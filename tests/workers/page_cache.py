@@ -1,9 +1,9 @@
 """Runs in a process forked from the test (the package already imported, so that the group charges only what this
 writes): moves into a memory group, writes ``count`` nameless files of ``size`` bytes each under a directory through
 their mappings, each leaving the process through a :class:`Writeback` with the ``"auto"`` page-cache budget as soon
-as it is written, then records which of them the page cache still holds (``mincore``), whether each holds what was
-written at its ends, and the budget's room, for tests/test_page_cache.py. No torch: a forked child had better not
-start its thread pools."""
+as it is written, then records which of them the page cache still holds (``mincore``), the group's peak usage,
+whether each holds what was written at its ends, and the budget's room, for tests/test_page_cache.py. No torch: a
+forked child had better not start its thread pools."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def fill_and_leave(group: Path, directory: Path, count: int, size: int, out: Pat
         files.append(file)
     writeback.drain()
     resident = [resident_bytes(file.fd, 0, size) for file in files]
+    peak = budget.group.usage().peak  # before the reads below bring pages back (the kernel reads around them)
     intact = [file.mapping[0] == file.mapping[size - 1] == index for index, file in enumerate(files)]
-    out.write_text(json.dumps({"resident": resident, "intact": intact, "room": budget.room()}))
+    out.write_text(json.dumps({"resident": resident, "intact": intact, "room": budget.room(), "peak": peak}))
 
 
 def forked(group: Path, directory: Path, count: int, size: int, out: Path) -> int:
