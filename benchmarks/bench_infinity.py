@@ -18,9 +18,11 @@ directory by default), removed afterwards.
 ``--memory-limit GIB`` runs each way twice, side by side: inside a memory group of its own without a limit, then
 inside one limited to that many GiB, page cache included (cgroup v2 where its memory controller is mounted, v1
 otherwise; see ``tests/memory_group.py``), as a cluster's job limit would; "x unlimited" is then the price of the
-limit in seconds per step (``--limited-only`` skips the unlimited runs). It needs root, and without it the runs are
+limit in seconds per step (``--limited-only`` skips the unlimited runs; ``--rounds N`` runs them all N times,
+interleaved, and adds each way's medians). It needs root, and without it the runs are
 unlimited and say so. ``--page-cache auto,drop`` runs ``"zero3_infinity"`` once with each ``page_cache`` option
-(``"auto"`` by default). Words of the tables:
+(``"auto"`` by default); ``--unit-params N`` gives it ``auto_wrap_policy=N`` (a unit of each submodule holding N
+parameters or more outside smaller units) and ``--prefetch-units`` its ``prefetch_units``. Words of the tables:
 
 - **model states**: fp32 parameters, gradients and Adam's two moments, 16 bytes a parameter, the whole model's;
 - **baseline**: a rank's resident memory after its imports, before the model exists (Python, torch, Lightning);
@@ -46,6 +48,7 @@ which the limit kills.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -236,12 +239,16 @@ def mapped_bytes(directory: Path) -> int:
     return total
 
 
-def strategy(way: str, files_dir: Path | None, page_cache: str) -> str | Zero3Strategy:
+def strategy(way: str, files_dir: Path | None, args: argparse.Namespace) -> str | Zero3Strategy:
     if way == "zero3_infinity":
         nvme = {"device": "nvme", "nvme_path": str(files_dir)}
+        options: dict[str, Any] = {"page_cache": int(args.page_cache) if args.page_cache.isdigit() else args.page_cache}
+        if args.unit_params is not None:
+            options["auto_wrap_policy"] = args.unit_params
+        if args.prefetch_units is not None:
+            options["prefetch_units"] = args.prefetch_units
         return Zero3Strategy.from_deepspeed_config(
-            {"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}},
-            page_cache=int(page_cache) if page_cache.isdigit() else page_cache,
+            {"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}, **options
         )
     return way
 
@@ -252,7 +259,7 @@ def worker(args: argparse.Namespace) -> None:
     fs_before = filesystem_used(args.files_dir) if args.files_dir is not None else 0
     pl.seed_everything(0, verbose=False)
     record = Record(args.files_dir)
-    way = strategy(args.way, args.files_dir, args.page_cache)
+    way = strategy(args.way, args.files_dir, args)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=way, max_steps=args.steps,
         callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -279,7 +286,8 @@ class Run:
     ranks: list[dict[str, Any]]
     page_cache: str  # the option, for zero3_infinity
     limit: float | None = None  # GiB: the memory group's limit
-    group: memory_group.GroupResult | None = None  # in a memory group: its peak and how often it hit its limit
+    group: memory_group.GroupResult | None = None  # in a memory group: its peak and its OOM kills
+    round: int = 0  # under --rounds, which round it ran in
 
     @property
     def params(self) -> int:
@@ -368,6 +376,8 @@ def launch(way: str, args: argparse.Namespace, layers: int, limit: float | None,
 def launch_ranks(way: str, args: argparse.Namespace, layers: int, page_cache: str) -> Run | str:
     argv = ["--model", args.model, "--width", str(args.width), "--layers", str(layers), "--steps", str(args.steps),
             "--way", way, "--page-cache", page_cache]  # fmt: skip
+    argv += ["--unit-params", str(args.unit_params)] if args.unit_params is not None else []
+    argv += ["--prefetch-units", str(args.prefetch_units)] if args.prefetch_units is not None else []
     try:
         if way != "zero3_infinity":
             return Run(way, run_ranks("benchmarks.bench_infinity", argv, RANKS, timeout=TIMEOUT), page_cache)
@@ -396,7 +406,7 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
         " | largest model on this machine (B params, derived) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    unlimited = {run.label: run.step_seconds for run in runs if isinstance(run, Run) and run.limit is None}
+    unlimited = {(r.label, r.round): r.step_seconds for r in runs if isinstance(r, Run) and r.limit is None}
     for run in runs:
         if isinstance(run, str):
             lines.append(run)
@@ -409,8 +419,8 @@ def table(runs: list[Run | str], mem_total: int) -> list[str]:
         if run.budget_traffic is not None:
             traffic = f"{run.budget_traffic[0] / GIB:.2f} | {run.budget_traffic[1]:.2f}"
         price = "-"
-        if run.limit is not None and run.label in unlimited:
-            price = f"{run.step_seconds / unlimited[run.label]:.2f}"
+        if run.limit is not None and (run.label, run.round) in unlimited:
+            price = f"{run.step_seconds / unlimited[run.label, run.round]:.2f}"
         limit = "none" if run.limit is None else f"{sig(run.limit)} GiB"
         lines.append(
             f"| {run.label} | {limit} | {sig(run.params / 1e9, 4)} | {sig(STATE_BYTES * run.params / GIB)} | {peaks}"
@@ -445,6 +455,26 @@ def setup_peaks(runs: list[Run]) -> str:
     ) + "\nLosses of rank 0, step by step: " + "; ".join(
         f"{run.label} {where(run)}: {loss}" for run, loss in zip(runs, losses, strict=True)
     )
+
+
+def rounds_note(runs: list[Run]) -> str:
+    """Under --rounds: each way's median seconds per step over the rounds, with and without the limit, and their
+    ratio."""
+    lines = ["Median over the rounds, s/step (each round's steps after the first, rank 0):"]
+    for label in dict.fromkeys(run.label for run in runs):
+        by_limit = {}
+        for limit in dict.fromkeys(run.limit for run in runs):
+            seconds = [run.step_seconds for run in runs if run.label == label and run.limit == limit]
+            if seconds:
+                by_limit[limit] = statistics.median(seconds)
+        parts = [f"{'no limit' if limit is None else f'{sig(limit)} GiB'} {sig(value)}" for limit, value in
+                 by_limit.items()]  # fmt: skip
+        ratio = ""
+        if None in by_limit and len(by_limit) == 2:
+            limited = next(value for limit, value in by_limit.items() if limit is not None)
+            ratio = f"; x unlimited {limited / by_limit[None]:.2f}"
+        lines.append(f"- {label}: {', '.join(parts)}{ratio}")
+    return "\n".join(lines)
 
 
 def where(run: Run) -> str:
@@ -514,7 +544,10 @@ def main() -> None:
     parser.add_argument("--capacity-layers", type=int, help="then zero3_infinity alone at this many layers")
     parser.add_argument("--memory-limit", type=float, metavar="GIB", help="run each way inside a memory group")
     parser.add_argument("--limited-only", action="store_true", help="under --memory-limit, skip the unlimited runs")
+    parser.add_argument("--rounds", type=int, default=1, help="run every launch this many times, interleaved")
     parser.add_argument("--page-cache", default="auto", help="zero3_infinity's page_cache options, comma-separated")
+    parser.add_argument("--unit-params", type=int, help="zero3_infinity's auto_wrap_policy: units of this many params")
+    parser.add_argument("--prefetch-units", type=int, help="zero3_infinity's prefetch_units (default 2)")
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # inside a rank
     parser.add_argument("--files-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
@@ -544,16 +577,20 @@ def main() -> None:
     print()
     limits = [args.memory_limit] if args.limited_only or args.memory_limit is None else [None, args.memory_limit]
     runs: list[Run | str] = []
-    for way in ways:
-        needs = state_bytes_held(way, parameter_count(args.model, args.width, args.layers))
-        for page_cache in args.page_cache.split(",") if way == "zero3_infinity" else ["auto"]:
-            for limit in limits:
-                if needs > mem_total and way != "zero3_infinity" and limit is None:
-                    runs.append(f"| {way} | no limit | skipped: needs {needs / GIB:.1f} GiB |")
-                    continue
-                runs.append(launch(way, args, args.layers, limit, page_cache))
+    for round_ in range(args.rounds):
+        for way in ways:
+            needs = state_bytes_held(way, parameter_count(args.model, args.width, args.layers))
+            for page_cache in args.page_cache.split(",") if way == "zero3_infinity" else ["auto"]:
+                for limit in limits:
+                    if needs > mem_total and way != "zero3_infinity" and limit is None:
+                        runs.append(f"| {way} | no limit | skipped: needs {needs / GIB:.1f} GiB |")
+                        continue
+                    done = launch(way, args, args.layers, limit, page_cache)
+                    runs.append(dataclasses.replace(done, round=round_) if isinstance(done, Run) else done)
     print("\n".join(table(runs, mem_total)), flush=True)
     measured = [run for run in runs if isinstance(run, Run)]
+    if args.rounds > 1:
+        print(f"\n{rounds_note(measured)}")
     print(f"\n{setup_peaks(measured)}\n{PAGE_CACHE_NOTE}")
     for run in measured:
         if run.way == "zero3_infinity":

@@ -97,12 +97,12 @@ def test_auto_is_the_group_budget_only_under_a_limit_below_the_machine(tmp_path:
     assert budget_for(GIB, group, physical=24 * GIB) == Fixed(GIB)
 
 
-def test_group_room_learns_the_working_set_and_what_grows_between_readings(tmp_path: Path) -> None:
-    """The room is the limit less the largest anonymous usage read and a headroom: 1/16 of the limit, or the most the
-    usage rose above one reading before the next (the group's peak shows it) if more. The page cache beyond the room
-    is dropped (less what is being dropped already, and making room for pages about to be read ahead), dirty pages
-    beyond half the room or a quarter of the limit written back (less the writebacks under way), and over the room a
-    rank waits for its writebacks; pages to read ahead are admitted if they fit once this rank's ranges are gone."""
+def test_group_room_learns_the_working_set_and_shares_the_rest(tmp_path: Path) -> None:
+    """The group's room is its limit less the largest anonymous usage read and a headroom: 1/16 of the limit, or the
+    most the usage rose above one reading before the next (the group's peak shows it) if more. A rank's share of it,
+    less the most it mapped of the files at once, holds its ranges and what it reads ahead: beyond it the oldest are
+    dropped (making room for pages about to be read ahead), beyond half of it (or a quarter of the limit over the
+    ranks) dirty ones written back; over the group's room a rank waits for its writebacks."""
 
     def read(total: float, anonymous: float, dirty: float, peak: float) -> None:
         _tree(tmp_path, {
@@ -111,21 +111,27 @@ def test_group_room_learns_the_working_set_and_what_grows_between_readings(tmp_p
             "memory.stat": f"anon {int(anonymous * GIB)}\nfile_dirty {int(dirty * GIB)}\nfile_writeback 0\n",
         })  # fmt: skip
 
-    room = GroupRoom(MemoryGroup(tmp_path, Version.V2, 16 * GIB))
+    def gib(value: float) -> int:
+        return int(value * GIB)
+
+    mapped = [GIB]  # the libraries' pages, mapped before any file
+    room = GroupRoom(MemoryGroup(tmp_path, Version.V2, 16 * GIB), ranks=2, mapped=lambda: mapped[0])
     nothing = Held(cached=0, dirty=0, writing=0, dropping=0)
     read(total=5, anonymous=3, dirty=1, peak=5)
-    assert room.excess(nothing) == Excess() and room.headroom == GIB and room.room() == 12 * GIB
+    assert room.excess(nothing) == Excess()
+    assert (room.headroom, room.room(), room.share()) == (GIB, 12 * GIB, 6 * GIB)
     read(total=6, anonymous=4, dirty=1, peak=8)  # between the readings the usage rose 3 GiB above the first
-    assert room.excess(nothing) == Excess() and room.headroom == 3 * GIB and room.room() == 9 * GIB
-    read(total=5, anonymous=2, dirty=1, peak=8)  # the working set shrank: its peak still counts
-    assert room.excess(nothing) == Excess() and room.room() == 9 * GIB
-    read(total=12, anonymous=2, dirty=6, peak=12)  # rose 7 GiB: 10 GiB of page cache, room for 5, dirty 2.5
-    assert room.excess(nothing) == Excess(drop=5 * GIB, write=int(3.5 * GIB), over=5 * GIB)
-    going = Held(cached=4 * GIB, dirty=0, writing=2 * GIB, dropping=2 * GIB)
-    assert room.excess(going) == Excess(drop=3 * GIB, write=int(1.5 * GIB), over=5 * GIB)
-    assert room.excess(nothing, incoming=GIB) == Excess(drop=6 * GIB, write=int(3.5 * GIB), over=5 * GIB)
-    assert room.admits(going, incoming=GIB)  # 10 - 4 - 2 + 1 <= 5
-    assert not room.admits(nothing, incoming=GIB)
+    mapped[0] = 2 * GIB  # and this rank works on 1 GiB of the files
+    held = Held(cached=3 * GIB, dirty=2 * GIB, writing=0, dropping=0, reading=GIB)
+    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.25))  # a share of 4.5, less 1 in use: 3.5
+    assert (room.headroom, room.room(), room.share()) == (3 * GIB, 9 * GIB, gib(3.5))
+    assert room.excess(held, incoming=GIB).drop == gib(1.5)
+    assert room.admits(held, incoming=2 * GIB) and not room.admits(held, incoming=3 * GIB)
+    read(total=5, anonymous=2, dirty=1, peak=8)
+    mapped[0] = GIB  # the working set shrank, and this rank maps less: their peaks still count
+    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.25)) and room.share() == gib(3.5)
+    read(total=14, anonymous=2, dirty=1, peak=14)  # rose 9 GiB: the room is 3, the page cache 12
+    assert room.excess(nothing) == Excess(over=9 * GIB) and room.share() == gib(0.5)
 
 
 def test_a_fixed_budget_counts_this_ranks_ranges() -> None:

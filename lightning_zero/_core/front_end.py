@@ -65,7 +65,7 @@ class ZeroFrontEnd:
         """Where the optimizer's side of training lives (see :mod:`lightning_zero._offload.placement`), chosen once
         from the options."""
         if self._placement is None:
-            self._placement = placement_of(self.config)
+            self._placement = placement_of(self.config, max(self.num_processes, 1))
         return self._placement
 
     @property

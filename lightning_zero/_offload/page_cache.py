@@ -18,7 +18,8 @@ The option, resolved by :func:`budget_for`:
 - ``"auto"`` (the default): ``"keep"`` without a memory limit below the machine's memory; under one, a
   :class:`GroupRoom`. A limit counts the page cache, and cgroup v1 has no dirty-page throttling per group: a group
   full of dirty pages cannot reclaim them fast enough and its processes are killed. So the files may fill what the
-  limit leaves beside the working set's peak and a headroom, and at most half of that may be dirty.
+  limit leaves beside the working set's peak and a headroom, each rank its share, and at most half of that may be
+  dirty.
 - ``"drop"``: a budget of 0 (:class:`Fixed`): every range leaves the page cache as it leaves the process, a written
   one once its writeback is done: what a memory limit meant before the budget.
 - a number of bytes: a :class:`Fixed` budget of that much page cache per rank, half of it dirty at most, with or
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from lightning_zero._offload.cgroup import MemoryGroup, Usage, limiting_group
@@ -57,6 +60,7 @@ class Held:
     dirty: int  # of them, written since their last writeback, which is not started
     writing: int  # ranges whose writeback is under way
     dropping: int  # of them, those dropped once written back
+    reading: int = 0  # ranges read ahead that have not left the process yet
 
 
 @dataclass(frozen=True)
@@ -96,19 +100,24 @@ class Fixed:
 
 
 class GroupRoom:
-    """The room a memory group's limit leaves the page cache, read from the group itself: its limit less the peak of
-    its anonymous memory (every rank's working set, learned from the readings) and a headroom for what grows between
-    two readings (:attr:`headroom`: a unit's pages worked on, pages read ahead, learned too). The
-    group's page cache beyond it is dropped, each rank dropping its own oldest ranges; its dirty pages beyond
-    1/:data:`DIRTY_SHARE` of the limit or half the room are written back. Ranges being dropped stay in memory until
-    written back: once the page cache is over the room with them, a rank waits for its writebacks, so that the group
-    stays below its limit. Pages read ahead are read only if they fit the room once this rank's ranges are dropped
-    (the oldest then go first), else as they are used."""
+    """The room a memory group's limit leaves the page cache, read from the group itself, shared by the ``ranks`` in
+    it: the limit less the peak of the group's anonymous memory (every rank's working set, learned from the readings)
+    and a headroom for what grows between two readings (:attr:`headroom`, learned too), in equal shares. A rank's
+    share holds the pages it works on (the file pages it maps, at their peak so far, learned from its own resident
+    memory) and what it reads ahead; the rest may hold the ranges that left it, the oldest dropped beyond it, and half
+    of it dirty pages (and at most 1/:data:`DIRTY_SHARE` of the limit over all ranks). Ranges being dropped stay in
+    memory until written back: once the group's page cache is over the room with them, a rank waits for its
+    writebacks, so that the group stays below its limit. Pages to read ahead that do not fit the share are read as
+    they are used."""
 
-    def __init__(self, group: MemoryGroup) -> None:
+    def __init__(self, group: MemoryGroup, ranks: int = 1, mapped: Callable[[], int] | None = None) -> None:
         self.group = group
-        self.anonymous_peak = 0  # bytes: the largest anonymous usage read
+        self.ranks = ranks
+        self._mapped = mapped or mapped_file_bytes
+        self._mapped_at_start = self._mapped()  # the libraries' pages, mapped before any offload file
+        self.anonymous_peak = 0  # bytes: the largest anonymous usage the group's readings showed
         self.largest_rise = 0  # bytes: the most the group's usage rose above a reading before the next one
+        self.in_use_peak = 0  # bytes: the most this rank mapped of the offload files at once
         self._last: Usage | None = None
 
     @property
@@ -121,20 +130,23 @@ class GroupRoom:
         """Bytes of page cache the group may hold, as the readings so far tell."""
         return max(self.group.limit - self.anonymous_peak - self.headroom, 0)
 
+    def share(self) -> int:
+        """Bytes this rank's ranges that left it, and those it reads ahead, may hold."""
+        return max(self.room() // self.ranks - self.in_use_peak, 0)
+
     def excess(self, held: Held, incoming: int = 0) -> Excess:
         usage = self._read()
-        room = self.room()
-        dirty_allowance = min(room // 2, self.group.limit // DIRTY_SHARE)
-        # the readings count what this rank has set going: pages being dropped and writebacks under way
+        share = self.share()
+        dirty_allowance = min(share // 2, self.group.limit // DIRTY_SHARE // self.ranks)
         return Excess(
-            drop=max(usage.page_cache + incoming - held.dropping - room, 0),
-            write=max(usage.dirty - held.writing - dirty_allowance, 0),
-            over=max(usage.page_cache - room, 0),
+            drop=max(held.cached + held.reading + incoming - share, 0),
+            write=max(held.dirty - dirty_allowance, 0),
+            over=max(usage.page_cache - self.room(), 0),  # the group's, pages being dropped included
         )
 
     def admits(self, held: Held, incoming: int) -> bool:
-        usage = self._read()
-        return usage.page_cache - held.cached - held.dropping + incoming <= self.room()
+        self._read()
+        return held.reading + incoming <= self.share()
 
     def _read(self) -> Usage:
         usage = self.group.usage()
@@ -143,28 +155,38 @@ class GroupRoom:
             top = usage.peak if usage.peak > self._last.peak else usage.total
             self.largest_rise = max(self.largest_rise, top - self._last.total)
         self._last = usage
+        self.in_use_peak = max(self.in_use_peak, self._mapped() - self._mapped_at_start)
         return usage
+
+
+def mapped_file_bytes() -> int:
+    """Bytes of files this process maps and holds resident (``RssFile``): the pages it works on."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def budget_for(option: PageCacheOption, group: MemoryGroup | None, physical: int) -> Budget | None:
-    """The budget of the ``page_cache`` option in this process's limiting ``group`` (``None``: no limit) on a machine
-    with ``physical`` bytes of memory; ``None``: no budget, the kernel's."""
+def budget_for(option: PageCacheOption, group: MemoryGroup | None, physical: int, ranks: int = 1) -> Budget | None:
+    """The budget of the ``page_cache`` option in this process's limiting ``group`` (``None``: no limit), which
+    ``ranks`` processes of the run share, on a machine with ``physical`` bytes of memory; ``None``: no budget, the
+    kernel's."""
     match option:
         case PageCache.KEEP:
             return None
         case PageCache.DROP:
             return Fixed(0)
         case PageCache.AUTO:
-            return GroupRoom(group) if group is not None and group.limit < physical else None
+            return GroupRoom(group, ranks) if group is not None and group.limit < physical else None
         case int():
             return Fixed(option)
     raise ValueError(f"No page-cache budget for {option!r}.")
 
 
-def this_process_budget(option: PageCacheOption) -> Budget | None:
-    """:func:`budget_for` this process, in its own memory group on this machine."""
-    return budget_for(option, limiting_group(), physical_memory())
+def this_process_budget(option: PageCacheOption, ranks: int = 1) -> Budget | None:
+    """:func:`budget_for` this process, in its own memory group on this machine, with the ``ranks`` of its node."""
+    return budget_for(option, limiting_group(), physical_memory(), ranks)

@@ -262,11 +262,11 @@ class OnDisk(OnHost):
         self._disk = None  # its files go with the last tensor mapping them
 
 
-def placement_of(config: ZeroConfig) -> Placement:
+def placement_of(config: ZeroConfig, local_ranks: int = 1) -> Placement:
     """The placement the options ask for: the optimizer's offload target, and with ``offload_parameters="disk"``
     stage 3's shards in :class:`ParameterFiles` under ``offload_dir``, their pages kept in the page cache within the
-    budget ``page_cache`` asks for."""
-    writeback = Writeback(this_process_budget(config.page_cache))
+    budget ``page_cache`` asks for (under a memory limit, shared by the ``local_ranks`` of this node)."""
+    writeback = Writeback(this_process_budget(config.page_cache, local_ranks))
     files = None
     if config.offload_parameters is OffloadTarget.DISK:
         assert config.offload_dir is not None  # the options require it

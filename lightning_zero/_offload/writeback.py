@@ -88,6 +88,9 @@ class Writeback:
         self._of_file: weakref.WeakKeyDictionary[MappedFile, list[CachedRange]] = weakref.WeakKeyDictionary()
         self._writing: deque[tuple[CachedRange, int]] = deque()  # writebacks under way, oldest first: range, writes
         self._cached = self._dirty_bytes = self._writing_bytes = self._dropping_bytes = 0
+        # ranges read ahead and not left since, by file: offset -> length
+        self._ahead: weakref.WeakKeyDictionary[MappedFile, dict[int, int]] = weakref.WeakKeyDictionary()
+        self._ahead_bytes = 0
         self.traffic = Traffic()
 
     # --- what the offload files tell ---------------------------------------------------------------------------------
@@ -100,6 +103,7 @@ class Writeback:
         file.mapping.madvise(mmap.MADV_DONTNEED, offset, length)
         if self.budget is None:
             return
+        self._arrived(file, offset, length)
         cached = self._take(file, offset, length)
         if written:
             self._set(cached, RangeState.DIRTY)
@@ -112,10 +116,23 @@ class Writeback:
         again, and stay if they were to be dropped."""
         if self.budget is not None:
             self._reading(file, offset, length)
+            ahead = self._ahead.setdefault(file, {})
+            if ahead.get(offset) == length:
+                return  # read ahead already
             if not self.budget.admits(self.held, length):
                 return  # read as they are used
             self._keep_within_budget(incoming=length)
+            ahead[offset] = length
+            self._ahead_bytes += length
         file.mapping.madvise(mmap.MADV_WILLNEED, offset, length)
+
+    def _arrived(self, file: MappedFile, offset: int, length: int) -> None:
+        """Ranges of ``file`` read ahead that overlap what just left are no longer ahead."""
+        ahead = self._ahead.get(file)
+        for start, size in list(ahead.items()) if ahead else ():
+            if start < offset + length and offset < start + size:
+                del ahead[start]
+                self._ahead_bytes -= size
 
     def _reading(self, file: MappedFile, offset: int, length: int) -> None:
         """The ranges being read ahead are in use again: out of the order (and kept) until they leave again."""
@@ -131,7 +148,7 @@ class Writeback:
     @property
     def held(self) -> Held:
         """This rank's ranges, by its own count."""
-        return Held(self._cached, self._dirty_bytes, self._writing_bytes, self._dropping_bytes)
+        return Held(self._cached, self._dirty_bytes, self._writing_bytes, self._dropping_bytes, self._ahead_bytes)
 
     # --- the budget --------------------------------------------------------------------------------------------------
 
