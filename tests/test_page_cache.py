@@ -102,7 +102,8 @@ def test_group_room_learns_the_working_set_and_shares_the_rest(tmp_path: Path) -
     most the usage rose above one reading before the next (the group's peak shows it) if more. A rank's share of it,
     less the most it mapped of the files at once, holds its ranges and what it reads ahead: beyond it the oldest are
     dropped (making room for pages about to be read ahead), beyond half of it (or a quarter of the limit over the
-    ranks) dirty ones written back; over the group's room a rank waits for its writebacks."""
+    ranks) dirty ones written back; over the group's room a rank waits for its writebacks. Until a first step has
+    ended it keeps nothing that left."""
 
     def read(total: float, anonymous: float, dirty: float, peak: float) -> None:
         _tree(tmp_path, {
@@ -118,6 +119,10 @@ def test_group_room_learns_the_working_set_and_shares_the_rest(tmp_path: Path) -
     room = GroupRoom(MemoryGroup(tmp_path, Version.V2, 16 * GIB), ranks=2, mapped=lambda: mapped[0])
     nothing = Held(cached=0, dirty=0, writing=0, dropping=0)
     read(total=5, anonymous=3, dirty=1, peak=5)
+    first = Held(cached=GIB, dirty=GIB, writing=0, dropping=0, reading=0)
+    assert room.excess(first) == Excess(drop=GIB, write=GIB)  # the first step keeps nothing that left...
+    assert room.admits(first, incoming=8 * GIB)  # ...and reads ahead, as "drop" does
+    room.step_ended()
     assert room.excess(nothing) == Excess()
     assert (room.headroom, room.room(), room.share()) == (GIB, 12 * GIB, 6 * GIB)
     read(total=6, anonymous=4, dirty=1, peak=8)  # between the readings the usage rose 3 GiB above the first

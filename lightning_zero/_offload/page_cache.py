@@ -85,6 +85,10 @@ class Budget(Protocol):
         used."""
         ...
 
+    def step_ended(self) -> None:
+        """An optimizer step ended: what a step needs has been seen once."""
+        ...
+
 
 @dataclass(frozen=True)
 class Fixed:
@@ -98,6 +102,16 @@ class Fixed:
     def admits(self, held: Held, incoming: int) -> bool:
         return True  # it budgets the pages that left the process
 
+    def step_ended(self) -> None:
+        pass
+
+
+class Readings(enum.Enum):
+    """How much a :class:`GroupRoom` has seen of what a step needs."""
+
+    FIRST_STEP = "first step"  # not a whole step yet: it keeps nothing that left (as "drop"), and learns
+    STEADY = "steady"  # a step's working set seen: it keeps what its share holds
+
 
 class GroupRoom:
     """The room a memory group's limit leaves the page cache, read from the group itself, shared by the ``ranks`` in
@@ -108,7 +122,8 @@ class GroupRoom:
     of it dirty pages (and at most 1/:data:`DIRTY_SHARE` of the limit over all ranks). Ranges being dropped stay in
     memory until written back: once the group's page cache is over the room with them, a rank waits for its
     writebacks, so that the group stays below its limit. Pages to read ahead that do not fit the share are read as
-    they are used."""
+    they are used. Until a first optimizer step has ended, the working set is not known: nothing that left is kept
+    (:attr:`Readings.FIRST_STEP`)."""
 
     def __init__(self, group: MemoryGroup, ranks: int = 1, mapped: Callable[[], int] | None = None) -> None:
         self.group = group
@@ -118,6 +133,7 @@ class GroupRoom:
         self.anonymous_peak = 0  # bytes: the largest anonymous usage the group's readings showed
         self.largest_rise = 0  # bytes: the most the group's usage rose above a reading before the next one
         self.in_use_peak = 0  # bytes: the most this rank mapped of the offload files at once
+        self.readings = Readings.FIRST_STEP
         self._last: Usage | None = None
 
     @property
@@ -132,7 +148,12 @@ class GroupRoom:
 
     def share(self) -> int:
         """Bytes this rank's ranges that left it, and those it reads ahead, may hold."""
+        if self.readings is Readings.FIRST_STEP:
+            return 0
         return max(self.room() // self.ranks - self.in_use_peak, 0)
+
+    def step_ended(self) -> None:
+        self.readings = Readings.STEADY
 
     def excess(self, held: Held, incoming: int = 0) -> Excess:
         usage = self._read()
@@ -146,7 +167,7 @@ class GroupRoom:
 
     def admits(self, held: Held, incoming: int) -> bool:
         self._read()
-        return held.reading + incoming <= self.share()
+        return self.readings is Readings.FIRST_STEP or held.reading + incoming <= self.share()
 
     def _read(self) -> Usage:
         usage = self.group.usage()

@@ -289,3 +289,4 @@ class ParameterFiles:
         rest = [p for p in params if id(p) not in self._of_param]
         if rest:
             yield rest
+        self.writeback.step_ended()

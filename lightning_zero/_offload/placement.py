@@ -243,6 +243,8 @@ class OnDisk(OnHost):
     def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
         """State the step created or a checkpoint replaced moves into its files."""
         self._files().adopt(optimizer, params)
+        if params is None:  # the whole step (with parameter files, their chunks tell when it ends)
+            self.writeback.step_ended()
 
     def state_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """In a new file: a resume loads the state straight into its files, never all of it into memory."""

@@ -140,6 +140,11 @@ class Writeback:
             if cached.overlaps(offset, length):
                 self._unlist(cached)
 
+    def step_ended(self) -> None:
+        """An optimizer step ended (its budget learns from whole steps)."""
+        if self.budget is not None:
+            self.budget.step_ended()
+
     def drain(self) -> None:
         """Wait for every writeback under way (and drop the ranges that were to go)."""
         while self._writing:

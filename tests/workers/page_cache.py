@@ -23,6 +23,7 @@ def fill_and_leave(group: Path, directory: Path, count: int, size: int, out: Pat
     memory_group.enter(group)
     budget = this_process_budget(PageCache.AUTO)
     assert isinstance(budget, GroupRoom), budget  # a limit below the machine's memory: the group's room
+    budget.step_ended()  # as after a first step: this process's working set is what it has now
     writeback = Writeback(budget)
     files = []
     for index in range(count):
