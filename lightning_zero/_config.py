@@ -14,6 +14,7 @@ import torch
 
 from lightning_zero._deepspeed_config import deepspeed_options
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
+from lightning_zero._offload.page_cache import PageCache, PageCacheOption
 from lightning_zero._offload.target import OffloadTarget, check_directory
 from lightning_zero._wrap import ModuleFilter, ModulePolicy, RepeatedEntries, resolve_policy
 
@@ -89,6 +90,13 @@ class ZeroConfig:
     prefetch_units: int = 2
     """``offload_parameters="disk"``: how many units ahead of the one being gathered are read from disk, overlapped
     with compute (DeepSpeed's ``buffer_count`` less the one in use)."""
+
+    page_cache: PageCacheOption = PageCache.AUTO
+    """``"disk"`` offload: how much of the offload files the page cache may hold once the process has left their pages.
+    ``"auto"``: without a memory limit below the machine's memory, as ``"keep"``; under one (a cgroup's, which counts
+    the page cache), what the limit leaves beside the group's working set, the oldest pages written back and dropped
+    beyond it. ``"keep"``: the kernel keeps them and writes them back as it sees fit. ``"drop"``: each range is written
+    back and dropped as it leaves the process. A number: at most that many bytes per rank."""
 
     pin_memory: bool = True
     """Page-lock host copies of a CUDA module's state, so transfers run asynchronously at full speed."""
@@ -233,6 +241,7 @@ class ZeroConfig:
             )
         optimizer = _resolve_offload("offload_optimizer", given["offload_optimizer"])
         _check_disk_parameter_options(parameters, given["max_in_cpu"], given["prefetch_units"])
+        page_cache = _resolve_page_cache(given["page_cache"], OffloadTarget.DISK in (optimizer, parameters))
         state_dict_type = given["state_dict_type"]
         if state_dict_type not in [t.value for t in StateDictType]:
             raise ValueError(
@@ -251,6 +260,7 @@ class ZeroConfig:
             offload_dir=_resolve_offload_dir(optimizer, parameters, given["offload_dir"]),
             max_in_cpu=given["max_in_cpu"],
             prefetch_units=given["prefetch_units"],
+            page_cache=page_cache,
             shard_group_size=group_size,
             state_dict_type=StateDictType(state_dict_type),
             stall_after=float(stall_after),
@@ -275,7 +285,12 @@ class ZeroConfig:
 
 
 # options whose field differs from what a user gives
-_AS_GIVEN: dict[str, object] = {"auto_wrap_policy": None, "offload_optimizer": False, "offload_parameters": False}
+_AS_GIVEN: dict[str, object] = {
+    "auto_wrap_policy": None,
+    "offload_optimizer": False,
+    "offload_parameters": False,
+    "page_cache": "auto",
+}
 
 
 def _with_deepspeed_config(
@@ -325,6 +340,29 @@ def _check_disk_parameter_options(parameters: OffloadTarget, max_in_cpu: object,
                 f"`{name}={value!r}` shapes how parameter shards on disk are read; they are not on disk here."
                 f" HINT: pass `offload_parameters='disk'` with `offload_dir`, or drop `{name}`."
             )
+
+
+def _resolve_page_cache(value: object, on_disk: bool) -> PageCacheOption:
+    match value:
+        case PageCache():
+            resolved: PageCacheOption = value
+        case str() if value in [kind.value for kind in PageCache]:
+            resolved = PageCache(value)
+        case int() if not isinstance(value, bool) and value >= 0:
+            resolved = value
+        case _:
+            raise ValueError(
+                f"`page_cache={value!r}` is not a page-cache budget. HINT: pass 'auto' (the default: under a memory"
+                " limit, what it leaves beside the working set), 'keep' (the kernel decides), 'drop' (each range"
+                " written back and dropped as it leaves the process) or a whole number of bytes per rank."
+            )
+    if resolved != PageCache.AUTO and not on_disk:
+        raise ValueError(
+            f"`page_cache={value!r}` budgets the page cache of the offload files, and nothing is offloaded to disk"
+            " here. HINT: pass `offload_optimizer='disk'` or `offload_parameters='disk'` with `offload_dir`, or drop"
+            " `page_cache`."
+        )
+    return resolved
 
 
 _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

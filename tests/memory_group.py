@@ -2,11 +2,13 @@
 limit does (SLURM's ``ConstrainRAMSpace``, a Kubernetes limit): cgroup v2 where its memory controller is mounted, v1
 otherwise. Making one needs root.
 
-:meth:`MemoryGroup.joined` moves the calling process into the group for the duration of a ``with`` block, so that the
-processes it starts there are in it (memory it held before stays charged where it was); afterwards the group's peak
-usage (anonymous memory and page cache) and the OOM killer's kills in it are read, and the group is removed.
+:func:`made` makes a group for processes to :func:`enter`, and :func:`joined` moves the calling process into one for the
+duration of a ``with`` block, so that the processes it starts there are in it (memory it held before stays charged where
+it was); afterwards the group's peak usage (anonymous memory and page cache) and the OOM killer's kills in it are read,
+and the group is removed. A group without a limit accounts the same, for a run to compare with.
 :class:`AnonymousPeak` measures, in any process and without a group, the largest anonymous memory it held, and
-:func:`resident_peak` the largest resident memory, exactly, since :func:`reset_resident_peak`.
+:func:`resident_peak` the largest resident memory, exactly, since :func:`reset_resident_peak`; :func:`own_usage` tells
+what the process's group uses now.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from lightning_zero._offload.cgroup import MemoryGroup, Usage, Version
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -70,9 +74,9 @@ class GroupResult:
 
 
 @contextmanager
-def joined(limit: int, name: str = "lightning_zero_bench") -> Iterator[GroupResult]:
-    """A new memory group limited to ``limit`` bytes (swap included), with the calling process in it until the block
-    ends; the yielded :class:`GroupResult` is filled in then."""
+def made(limit: int | None, name: str = "lightning_zero_bench") -> Iterator[tuple[Path, GroupResult]]:
+    """A new memory group limited to ``limit`` bytes (swap included; ``None``: no limit), for processes to
+    :func:`enter`; yields its directory and the :class:`GroupResult` filled in as the block ends."""
     found = hierarchy()
     if found is None:
         raise RuntimeError(f"No memory group can be made here: {unavailable_reason()}.")
@@ -81,20 +85,40 @@ def joined(limit: int, name: str = "lightning_zero_bench") -> Iterator[GroupResu
         (found.root / "cgroup.subtree_control").write_text("+memory")
     group.mkdir()
     result = GroupResult()
-    home = _own_group(found)
     try:
-        (group / found.limit).write_text(str(limit))
-        if found.swap_limit is not None and (group / found.swap_limit).exists():
+        if limit is not None:
+            (group / found.limit).write_text(str(limit))
+        if limit is not None and found.swap_limit is not None and (group / found.swap_limit).exists():
             (group / found.swap_limit).write_text(str(limit if found.version == 1 else 0))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield group, result
+        finally:
+            result.peak = int((group / found.peak).read_text())
+            result.oom_kills = _counted(group / found.events, "oom_kill")
+    finally:
+        _remove(group)
+
+
+def enter(group: Path) -> None:
+    """Move the calling process into ``group``: what it allocates from now on is charged there (what it held before
+    stays charged where it was)."""
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+@contextmanager
+def joined(limit: int | None, name: str = "lightning_zero_bench") -> Iterator[GroupResult]:
+    """A new memory group (see :func:`made`) with the calling process in it until the block ends, so that the
+    processes it starts are in it; the yielded :class:`GroupResult` is filled in as the block ends."""
+    found = hierarchy()
+    assert found is not None or unavailable_reason() is not None
+    home = _own_group(found) if found is not None else None
+    with made(limit, name) as (group, result):
+        enter(group)
         try:
             yield result
         finally:
-            (home / "cgroup.procs").write_text(str(os.getpid()))
-            result.peak = int((group / found.peak).read_text())
-            result.oom_kills = _oom_kills(group / found.events)
-    finally:
-        _remove(group)
+            assert home is not None
+            enter(home)
 
 
 def _own_group(found: Hierarchy) -> Path:
@@ -105,12 +129,24 @@ def _own_group(found: Hierarchy) -> Path:
     raise RuntimeError("/proc/self/cgroup names no memory group of this process.")
 
 
-def _oom_kills(events: Path) -> int:
+def own_usage() -> Usage | None:
+    """What this process's memory group uses now (the group :func:`joined` put it in, or the one it started in);
+    ``None`` where no memory controller can be read."""
+    found = hierarchy()
+    if found is None:
+        return None
+    version = Version.V2 if found.version == 2 else Version.V1
+    return MemoryGroup(_own_group(found), version, limit=0).usage()
+
+
+def _counted(events: Path, name: str) -> int:
+    """The count on the ``name N`` line of ``events``."""
     for line in events.read_text().splitlines():
         key, _, value = line.partition(" ")
-        if key == "oom_kill":
+        if key == name:
             return int(value)
     return 0
+
 
 
 def _remove(group: Path) -> None:

@@ -336,7 +336,7 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
         from pathlib import Path
         import torch
         from lightning_zero._offload.disk import DiskState
-        from lightning_zero._offload.page_cache import PageCache, Writeback
+        from lightning_zero._offload.writeback import Writeback
         from lightning_zero._offload.target import OffloadError
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -347,7 +347,7 @@ def test_full_disk_fails_at_the_write_and_keeps_the_state(tmp_path: Path) -> Non
         optimizer.step()
         before = {{k: v.clone() for k, v in optimizer.state[param].items()}}
         try:
-            DiskState(Path({str(tmp_path)!r}), Writeback(PageCache.KEPT)).adopt(optimizer)
+            DiskState(Path({str(tmp_path)!r}), Writeback(None)).adopt(optimizer)
         except OffloadError as error:
             print("ERROR:", error)
         kept = all(torch.equal(optimizer.state[param][k], v) for k, v in before.items())
@@ -405,12 +405,12 @@ def test_infinity_full_disk_is_reported(tmp_path: Path) -> None:
         import resource, signal
         from pathlib import Path
         from lightning_zero._offload.param_files import ParameterFiles
-        from lightning_zero._offload.page_cache import PageCache, Writeback
+        from lightning_zero._offload.writeback import Writeback
         from lightning_zero._offload.target import OffloadError
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        files = ParameterFiles(Path({str(tmp_path)!r}), max_in_cpu=0, prefetch=2, writeback=Writeback(PageCache.KEPT))
+        files = ParameterFiles(Path({str(tmp_path)!r}), max_in_cpu=0, prefetch=2, writeback=Writeback(None))
         files._map(1 << 19, "parameter shards")
         try:
             files._map(2 << 20, "gradient shards")

@@ -192,6 +192,26 @@ def test_reset_leaves_every_unit_sharded_after_an_aborted_step() -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
+def test_stream_keepalives_are_released_from_the_units_shared_context() -> None:
+    """One rank keeps nothing for a stream (it gathers nothing), so what several ranks keep is put there by hand: the
+    release empties the context every unit shares, whichever unit it is called on."""
+    net, _ = sharded()
+    step(net)  # the root's lazy set-up: every unit shares its context now
+    context = net._get_fsdp_state()._comm_ctx
+    assert net.a._get_fsdp_state()._comm_ctx is context
+    context.all_gather_state = object()
+    kept = getattr(context, "reduce_scatter_states", None)
+    if kept is not None:
+        kept.append(object())
+    else:
+        context.reduce_scatter_state = object()
+    seam.release_stream_keepalives(net.a)  # type: ignore[arg-type]
+    assert context.all_gather_state is None
+    assert (kept == []) if kept is not None else context.reduce_scatter_state is None
+    step(net)  # trains on
+
+
+@pytest.mark.usefixtures("one_rank")
 def test_dtensor_layout_given_to_a_new_local_tensor() -> None:
     net, _ = sharded()
     param = net.a.weight
@@ -242,6 +262,11 @@ def _break_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delattr(_fsdp_param_group, "foreach_all_gather")
 
 
+def _break_keepalives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The units' shared context keeps no buffers for streams."""
+    monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", lambda self, device: None)
+
+
 def _break_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
 
@@ -261,6 +286,7 @@ BREAKS = {
     "shard storage": _break_storage,
     "row split": _break_rows,
     "own collectives": _break_own_collectives,
+    "stream keepalives": _break_keepalives,
     "reset": _break_reset,
     "DTensor layout": _break_layout,
 }

@@ -23,10 +23,11 @@ from lightning_zero._core import exit as _exit  # noqa: F401  (closes the proces
 from lightning_zero._core.precision import take_over_scaler
 from lightning_zero._core.report import log_info, memory_report
 from lightning_zero._core.run_scope import RunScope
-from lightning_zero._offload.page_cache import Writeback, page_cache_policy
+from lightning_zero._offload.page_cache import this_process_budget
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.placement import Placement, placement_for
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.writeback import Writeback
 from lightning_zero._transport import failures
 from lightning_zero._transport.stalls import as_verdict
 from lightning_zero._watchdog import watchdog
@@ -73,7 +74,7 @@ class ZeroFrontEnd:
         """Where the optimizer's side of training lives (see :mod:`lightning_zero._offload.placement`), chosen once
         from the options."""
         if self._placement is None:
-            self._placement = placement_of(self.config)
+            self._placement = placement_of(self.config, max(self.num_processes, 1))
         return self._placement
 
     @property
@@ -184,11 +185,12 @@ class ZeroFrontEnd:
         return output
 
 
-def placement_of(config: ZeroConfig) -> Placement:
+def placement_of(config: ZeroConfig, local_ranks: int = 1) -> Placement:
     """The placement the options ask for (see :mod:`lightning_zero._offload.placement`): the optimizer's offload
-    target, and with ``offload_parameters="disk"`` stage 3's shards in :class:`ParameterFiles` under
-    ``offload_dir``."""
-    writeback = Writeback(page_cache_policy())
+    target, and with ``offload_parameters="disk"`` stage 3's shards in :class:`ParameterFiles` under ``offload_dir``,
+    their pages kept in the page cache within the budget ``page_cache`` asks for (under a memory limit, shared by the
+    ``local_ranks`` of this node)."""
+    writeback = Writeback(this_process_budget(config.page_cache, local_ranks))
     files = None
     if config.offload_parameters is OffloadTarget.DISK:
         assert config.offload_dir is not None  # the options require it

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero._files import nameless_mapping
-from lightning_zero._offload.page_cache import MappedFile, Writeback
 from lightning_zero._offload.target import OffloadError
+from lightning_zero._offload.writeback import MappedFile, Writeback
 from lightning_zero._stage3.seam import dtensor_like
 
 
@@ -20,8 +20,8 @@ class DiskState:
     """Optimizer state in memory-mapped files on ``directory``'s filesystem, one nameless file per state tensor.
 
     :meth:`adopt` runs after each optimizer step: state the optimizer created or a checkpoint replaced moves into new
-    files; then every mapping's pages are dropped from the process (and, under a memory limit, from the page cache:
-    ``writeback``, see :mod:`~lightning_zero._offload.page_cache`). A checkpoint directory loads into new files
+    files; then every mapping's pages leave the process, and the page cache keeps them within its budget
+    (``writeback``, see :mod:`~lightning_zero._offload.page_cache`). A checkpoint directory loads into new files
     (:meth:`empty_like`) without passing through memory. Scalars (step counters) stay in memory. The files
     stay mapped while this object lives (state a checkpoint replaced included); their space returns to the disk once
     it and the state's tensors are dropped at teardown, or when the process ends, however it ends.

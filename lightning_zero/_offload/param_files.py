@@ -9,15 +9,16 @@ only while it works on them, and the kernel reads them ahead and writes them bac
 
 - before a unit's forward, the next ``prefetch`` units in the root's module order (taken as the order of the
   forward) are read ahead (``MADV_WILLNEED``: the kernel reads them while this unit computes); after its forward,
-  its pages leave the process (``MADV_DONTNEED``; a shared mapping keeps their data in the file), and under a memory
-  limit the page cache (:mod:`~lightning_zero._offload.page_cache`);
+  its pages leave the process (``MADV_DONTNEED``; a shared mapping keeps their data in the file), and the page cache
+  keeps them within its budget (:mod:`~lightning_zero._offload.page_cache`);
 - as a unit's gradient shards arrive in backward (``fully_shard`` calls the parameter's post-accumulate-grad hooks),
   each is copied into its file, becomes the parameter's ``.grad``, and both leave the process; the units next in
   backward order are read ahead;
 - the optimizer steps one unit at a time (:meth:`ParameterFiles.chunks`), each unit's pages read ahead of its turn and
   dropped after it.
 
-Pages leave through a :class:`~lightning_zero._offload.page_cache.Writeback`, told which of them were written.
+Pages leave through a :class:`~lightning_zero._offload.writeback.Writeback`, told which of them were written and
+which are read ahead (the forward reads ahead only the shards: the gradients are written in backward).
 The first units in order whose shards fit in ``max_in_cpu`` elements stay in host memory as ``fully_shard`` left them.
 The files have no names, so nothing of them outlives the process, however it ends (:mod:`lightning_zero._files`).
 """
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero._offload.allocator import return_large_blocks
 from lightning_zero._offload.disk import reserve
-from lightning_zero._offload.page_cache import MappedFile, Writeback
+from lightning_zero._offload.writeback import MappedFile, Writeback
 from lightning_zero._stage3.seam import (
     move_shard,
     padded_shard,
@@ -93,11 +94,12 @@ class UnitFiles:
         """The unit's parameters in its files, in the files' order."""
         return [sharded_param(region.shard) for region in self.regions]
 
-    def read_ahead(self) -> None:
-        """Have the kernel read the unit's pages, shards and gradients, while the process works on others."""
-        for file in (self.shards, self.grads):
+    def read_ahead(self, writeback: Writeback, *, gradients: bool) -> None:
+        """Have the kernel read the unit's shards (and its gradients, with ``gradients``), while the process works on
+        others, as far as the page cache's budget has room."""
+        for file in (self.shards, self.grads) if gradients else (self.shards,):
             if file is not None:
-                file.mapping.madvise(mmap.MADV_WILLNEED, 0, self.nbytes)
+                writeback.read_ahead(file, 0, self.nbytes)
 
     def leave(self, writeback: Writeback, written: Written, region: Region | None = None) -> None:
         """The unit's pages (or one region's), shards and gradients alike, leave the process."""
@@ -236,14 +238,14 @@ class ParameterFiles:
     def _before_forward(self, files: UnitFiles) -> None:
         """Read this unit and the next ``prefetch`` ahead."""
         for ahead in self.units[files.index : files.index + 1 + self.prefetch]:
-            ahead.read_ahead()
+            ahead.read_ahead(self.writeback, gradients=False)
 
     def _grad_arrived(self, files: UnitFiles, region: Region, param: torch.Tensor) -> None:
         """``fully_shard`` set (or accumulated into) ``param.grad``: keep it in the unit's gradient file."""
         if id(files) not in self._in_backward:  # the unit's first gradient of this backward: read the next ones
             self._in_backward.add(id(files))
             for ahead in self.units[max(files.index - self.prefetch, 0) : files.index]:
-                ahead.read_ahead()
+                ahead.read_ahead(self.writeback, gradients=True)
         grad = param.grad
         assert isinstance(grad, DTensor)
         local = grad.to_local()
@@ -280,10 +282,11 @@ class ParameterFiles:
         chunks = [[p for p in files.params if id(p) in wanted] for files in self.units]
         for index, (files, chunk) in enumerate(zip(self.units, chunks, strict=True)):
             for ahead in self.units[index + 1 : index + 1 + self.prefetch]:
-                ahead.read_ahead()
+                ahead.read_ahead(self.writeback, gradients=True)
             if chunk:
                 yield chunk
             files.leave(self.writeback, Written.SHARDS)
         rest = [p for p in params if id(p) not in self._of_param]
         if rest:
             yield rest
+        self.writeback.step_ended()

@@ -17,9 +17,9 @@ state and the step to host memory; :class:`OnDisk` does the same with the optimi
 Either can also keep stage 3's parameter shards and gradients in files (:class:`ParameterFiles`), and then steps the
 optimizer one unit at a time.
 The front ends' ``placement_of`` (:mod:`lightning_zero._core.front_end`) reads the options: where the optimizer
-lives, and whether stage 3's shards go to files. Files' pages leave the process, and under a memory limit the page
-cache, through one :class:`~lightning_zero._offload.page_cache.Writeback` shared by the shards' and the optimizer
-state's files.
+lives, and whether stage 3's shards go to files. Files' pages leave the process, and the page cache keeps them within
+the ``page_cache`` option's budget, through one :class:`~lightning_zero._offload.writeback.Writeback` shared by the
+shards' and the optimizer state's files.
 A new tier (another kind of memory, a different host kernel) is a new subclass, chosen in :func:`placement_for`.
 """
 
@@ -39,12 +39,14 @@ from torch.optim import Optimizer
 from lightning_zero._offload.by_unit import one_unit_at_a_time
 from lightning_zero._offload.disk import DiskState
 from lightning_zero._offload.host import host_copies
+from lightning_zero._offload.keepalives import free_after_use
 from lightning_zero._offload.kernels import KernelChoice
 from lightning_zero._offload.local_step import LocalStep, Views, steps_locally
-from lightning_zero._offload.page_cache import Writeback, page_cache_policy
+from lightning_zero._offload.page_cache import PageCache, this_process_budget
 from lightning_zero._offload.param_files import ParameterFiles
 from lightning_zero._offload.process_group import backend_with_host, check_host_collectives
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._offload.writeback import Writeback
 from lightning_zero._transport.mesh import created
 
 
@@ -194,7 +196,7 @@ class OnHost(Placement):
         self, root: nn.Module, units: list[nn.Module], device: torch.device
     ) -> Generator[Callable[[str], None] | None, None, None]:
         """Shards in files move there unit by unit as they get their values on the host (on a GPU, once all have
-        theirs and are back on the host)."""
+        theirs and are back on the host); on the CPU, fewer copies of a unit stay alive (:mod:`.keepalives`)."""
         files = self.parameter_files
         if files is None:
             yield None
@@ -202,6 +204,8 @@ class OnHost(Placement):
         files.expect(root, units)
         yield files.filled if device.type == "cpu" else None
         files.adopt()
+        if device.type == "cpu":
+            free_after_use([root, *units])
 
     @contextmanager
     def stepping(self, optimizer: Optimizer) -> Generator[None, None, None]:
@@ -242,12 +246,14 @@ class OnDisk(OnHost):
     ) -> None:
         super().__init__(pin_memory=pin_memory, parameter_files=parameter_files)
         self.directory = directory
-        self.writeback = writeback or Writeback(page_cache_policy())
+        self.writeback = writeback or Writeback(this_process_budget(PageCache.AUTO))
         self._disk: DiskState | None = None  # the files of this run's optimizer state, from the first setup on
 
     def _after_step(self, optimizer: Optimizer, params: list[torch.Tensor] | None) -> None:
         """State the step created or a checkpoint replaced moves into its files."""
         self._files().adopt(optimizer, params)
+        if params is None:  # the whole step (with parameter files, their chunks tell when it ends)
+            self.writeback.step_ended()
 
     def state_like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """In a new file: a resume loads the state straight into its files, never all of it into memory."""

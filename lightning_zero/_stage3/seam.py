@@ -23,6 +23,9 @@ runs):
   rebound while a unit has arounds (:func:`around_own_collectives`; :func:`forget_own_collectives`, or the last such
   unit going away, restores them); where it has them, the interface of ``fully_shard``'s pluggable collectives
   (:class:`AllGather`, :class:`ReduceScatter`), which :mod:`.collectives` implements on CPU process groups.
+- **stream keepalives**: what a unit's gathers and reductions keep alive for a CUDA stream to wait on, the last
+  all-gather's output and the reduce-scatter inputs in flight (:func:`release_stream_keepalives`), freed at once on
+  the CPU, where nothing waits on a stream.
 - **reset**: a root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch, every unit resharded by hand in 2.8.
 - **DTensor layout**: a DTensor's own local tensor (:func:`local_tensor`, what an optimizer steps on), and its layout
@@ -170,6 +173,18 @@ def _param_groups(unit: FSDPModule) -> list[Any]:
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
     return [group for group in groups if group is not None]
+
+
+def release_stream_keepalives(unit: FSDPModule) -> None:
+    """Free what ``fully_shard`` keeps alive for a CUDA stream to wait on: the output of the last all-gather in
+    forward (until the next one is copied out) and the inputs of the reduce-scatters in flight (until the next unit's
+    reduction); a unit's size each. Only where no stream runs (the CPU): a CUDA stream may still read them."""
+    context = unit._get_fsdp_state()._comm_ctx
+    context.all_gather_state = None
+    if hasattr(context, "reduce_scatter_states"):  # recent torch: a list of them
+        context.reduce_scatter_states.clear()
+    else:  # torch 2.8: one
+        context.reduce_scatter_state = None
 
 
 def sharded_param(shard: Any) -> nn.Parameter:
@@ -337,6 +352,13 @@ def _layout_holds(unit: FSDPModule) -> bool:
     return all(holds(shard.sharded_param) for shard in unit_shards(unit))
 
 
+def _keepalives_hold(unit: FSDPModule) -> bool:
+    """The shared context of a unit's collectives keeps them (set by its lazy set-up, at the root's first forward)."""
+    context = unit._get_fsdp_state()._comm_ctx
+    kept = set(type(context).lazy_init.__code__.co_names) | set(vars(context)) | set(vars(type(context)))
+    return "all_gather_state" in kept and bool(kept & {"reduce_scatter_states", "reduce_scatter_state"})
+
+
 def _own_collectives_hold(unit: FSDPModule) -> bool:
     if CUSTOM_COLLECTIVES:
         return _has(unit, "set_custom_all_gather", "set_custom_reduce_scatter")
@@ -352,6 +374,8 @@ CONTRACT = (
                  " shard as a DTensor", _storage_holds),
     ContractItem("row split", "each rank's rows of a parameter built after sharding", _rows_hold),
     ContractItem("own collectives", "labels before each gather and reduction of a unit", _own_collectives_hold),
+    ContractItem("stream keepalives", "a unit's gather and reduction buffers freed at once on the CPU",
+                 _keepalives_hold),
     ContractItem("reset", "a root at rest after an aborted step", lambda u: _has(u, "set_reshard_after_forward")),
     ContractItem("DTensor layout", "steps on local tensors, state in files laid out", _layout_holds),
 )  # fmt: skip

@@ -91,6 +91,11 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         max_in_cpu: with ``offload_parameters="disk"``, parameter elements per rank kept in host memory instead (the
             first units' shards, while they fit; DeepSpeed's ``max_in_cpu``).
         prefetch_units: with ``offload_parameters="disk"``, how many units ahead are read from disk during compute.
+        page_cache: with ``"disk"`` offload, how much of the offload files the page cache may hold: ``"auto"`` (the
+            default) keeps them where no memory limit below the machine's memory caps the job, and under one (a
+            cgroup's, which counts the page cache) keeps what the limit leaves beside the working set, writing back
+            and dropping the oldest pages beyond it; ``"keep"`` leaves them to the kernel, limit or not; ``"drop"``
+            writes back and drops each range as it leaves the process; a number of bytes caps each rank's share.
         pin_memory: page-lock the host copies of a CUDA module's state (faster, asynchronous transfers).
         memory_report: log on rank 0, once per ``fit``, a table of this rank's model-state bytes (parameters,
             gradients, master weights, optimizer state) measured by walking tensors, beside the estimate of
@@ -133,6 +138,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         offload_dir: str | Path | None = None,
         max_in_cpu: int = 0,
         prefetch_units: int = 2,
+        page_cache: Literal["auto", "keep", "drop"] | int = "auto",
         pin_memory: bool = True,
         memory_report: bool = True,
         shard_group_size: int | Literal["node"] | None = None,
@@ -167,6 +173,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             offload_dir=offload_dir,
             max_in_cpu=max_in_cpu,
             prefetch_units=prefetch_units,
+            page_cache=page_cache,
             pin_memory=pin_memory,
             memory_report=memory_report,
             shard_group_size=shard_group_size,

@@ -1,7 +1,7 @@
 """Runs inside each of 2 processes: trains Lightning's demo Transformer and a residual MLP, each at two depths, under
 ``Zero3Strategy.from_deepspeed_config`` with parameters and optimizer on ``"nvme"``, and records each run's
 anonymous memory at its peak over that as it began (:class:`tests.memory_group.AnonymousPeak`, sampled) and its
-resident memory likewise (``VmHWM``, exact), parameter count,
+resident memory likewise (``VmHWM``, exact), parameter count, largest unit,
 losses and seconds, for
 tests/test_infinity_memory.py. Arguments: the output directory, the offload directory, then ``model:width:layers``
 runs."""
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.demos.transformer import Transformer
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import Zero3Strategy
@@ -65,6 +66,31 @@ class Trained(pl.LightningModule):
         return DataLoader(TensorDataset(data), batch_size=1)
 
 
+def largest_unit(module: nn.Module) -> int:
+    """Parameters of the largest stage-3 unit of ``module``: those it gathers itself, not those of units inside it."""
+    sizes = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            units = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+            inner = {id(p) for m in units for p in m.parameters()}
+            sizes.append(sum(p.numel() for p in unit.parameters() if id(p) not in inner))
+    return max(sizes)
+
+
+def left_ring_bytes() -> int:
+    """Resident bytes of the stage-3 gather ring an earlier run left mapped (``/dev/shm/...ring``, unlinked): the
+    shared-memory channel outlives a run and keeps it until the next run opens its own, so it is in the resident
+    memory as a run starts and gone by its peak, sized by the earlier run's largest unit."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            inside = any(field.endswith(".ring") for field in fields[5:])
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
 def main() -> None:
     out_dir, offload_dir, *runs = sys.argv[1:]
     nvme = {"device": "nvme", "nvme_path": offload_dir}
@@ -75,7 +101,7 @@ def main() -> None:
         module = Trained(shape, int(width), int(layers))
         pl.seed_everything(0, verbose=False)
         reset_resident_peak()
-        resident = resident_peak()
+        resident = resident_peak() - left_ring_bytes()  # the earlier run's ring goes as this run's opens
         peak, started = AnonymousPeak(), time.perf_counter()
         trainer = pl.Trainer(
             accelerator="cpu", devices=2, strategy=Zero3Strategy.from_deepspeed_config(config), max_steps=STEPS,
@@ -84,6 +110,7 @@ def main() -> None:
         trainer.fit(module)
         params = sum(p.numel() for p in module.parameters())
         results.append({"run": run, "params": params, "grew": peak.stop() - peak.start, "losses": module.losses,
+                        "largest_unit": largest_unit(module),
                         "resident_grew": resident_peak() - resident,
                         "seconds": time.perf_counter() - started})  # fmt: skip
         del trainer, module
