@@ -30,6 +30,16 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 MEET_TAG = 0x5A0DD07  # the tag of a meeting's messages: no exchange of this package's, nor collective, uses it
 
 
+def exchange_tag(label: int) -> int:
+    """The tag of a point-to-point exchange for ``label``: gloo pairs a message with the receive posted for the same
+    peer and tag, so one tag per label keeps ranks that went different ways from pairing one unit's gather with
+    another's reduction (which ends the process in gloo where their sizes differ, and exchanges the wrong rows where
+    they do not): each waits for its own, and the stall watchdog names what each rank was doing. 31 bits, as gloo's
+    tags are C ints; never :data:`MEET_TAG`."""
+    tag = label & 0x7FFFFFFF
+    return tag + 1 if tag == MEET_TAG else tag
+
+
 def all_reduce_sum(buffer: torch.Tensor, group: ProcessGroup) -> Pending:
     TRAFFIC.record("all_reduce", buffer.nbytes, group)
     activity.entered(labels.ALL_REDUCE)
@@ -128,12 +138,13 @@ def reduce_scatter_sum(
         if shared is not None:
             return shared.reduce_scatter_sum(output, buffer, label)
         others = [r for r in range(size) if r != me]
+        tag = exchange_tag(label)
         # The first peer's chunk lands in ``output`` itself; only ranks beyond two need extra room.
         landing = [output, *torch.empty(len(others) - 1, output.numel(), dtype=output.dtype, device=output.device)]
         ops = []
         for peer, into in zip(others, landing, strict=True):
-            ops.append(dist.P2POp(dist.isend, chunks[peer], dist.get_global_rank(group, peer), group))
-            ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, peer), group))
+            ops.append(dist.P2POp(dist.isend, chunks[peer], dist.get_global_rank(group, peer), group, tag))
+            ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, peer), group, tag))
 
         received = dict(zip(others, landing, strict=True))
 
@@ -168,11 +179,11 @@ def all_gather(
         shared = _shared(chunk, group)
         if shared is not None:
             return shared.all_gather(output, label)
-        ops = []
+        ops, tag = [], exchange_tag(label)
         for peer in range(size):
             if peer != me:
-                ops.append(dist.P2POp(dist.isend, chunk, dist.get_global_rank(group, peer), group))
-                ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group))
+                ops.append(dist.P2POp(dist.isend, chunk, dist.get_global_rank(group, peer), group, tag))
+                ops.append(dist.P2POp(dist.irecv, rows[peer], dist.get_global_rank(group, peer), group, tag))
         with _naming_peers(group):
             return Exchange(dist.batch_isend_irecv(ops), group)
 
