@@ -181,7 +181,8 @@ class Record(pl.Callback):
         self.seconds.append(time.perf_counter() - self._started)
         self.losses.append(float(outputs["loss"]))
         self.disk_reads.append(disk_read_bytes() - self._read)
-        traffic = getattr(getattr(trainer.strategy.placement, "writeback", None), "traffic", None)
+        placement = getattr(trainer.strategy, "placement", None)  # ddp has none
+        traffic = getattr(getattr(placement, "writeback", None), "traffic", None)
         if traffic is not None:  # what the page-cache budget wrote back and waited for, so far
             self.traffic.append((traffic.written_back, traffic.waited))
         usage = memory_group.own_usage()
