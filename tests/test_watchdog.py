@@ -299,3 +299,18 @@ def test_a_run_ends_once_the_last_module_set_up_in_it_is_gone() -> None:
     del second
     gc.collect()
     assert run.state is RunState.ENDED and done == ["ended"]
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("stall_after", [0.5, 1.5])
+def test_a_round_waits_for_answers_as_long_as_stall_after(stall_after: float) -> None:
+    """The asker of a round (rank 0 of 2, on a real store) whose peer never answers waits ``stall_after`` for it, no
+    less (a rank busy that long is not stuck) and not a fixed window whatever ``stall_after`` says."""
+    from lightning_zero._watchdog.watchdog import Watch, Watcher
+
+    watcher = Watcher(dist.group.WORLD, dist.distributed_c10d._get_default_store(), stall_after)
+    watcher.size, watcher.rounds = 2, Rounds(watcher.rounds.store, 0, 2)  # rank 1 never answers
+    watch = Watch(run_scope(1), stall_after, (run_scope(1),))
+    started = time.monotonic()
+    watcher.ask(watch, still=stall_after)
+    assert stall_after <= time.monotonic() - started < stall_after + 1.0
