@@ -12,6 +12,21 @@ from tests.launch import RENDEZVOUS
 
 _AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
 
+# Tests whose verdicts depend on time or on memory a limit counts: stall windows, timeouts, SIGSTOP and kills at a
+# moment, memory groups and page-cache residency. They are marked `serial`, and the suite runs them alone after the
+# rest has run on two workers (the README's command), so that another test's load never moves them.
+SERIAL = {
+    "test_checkpoint_crashes.py", "test_checkpoint_saves.py", "test_divergent.py", "test_faults.py",
+    "test_infinity_memory.py", "test_launch.py", "test_page_cache.py", "test_preemption.py", "test_shared_memory.py",
+    "test_stalls.py", "test_watchdog.py",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
