@@ -267,8 +267,9 @@ def _in_group(limit: int, directory: Path, out: Path, count: int, size: int) -> 
 def test_pages_leave_the_cache_under_a_tight_group_and_stay_under_a_roomy_one(on_disk: Path) -> None:
     """A process writes 32 files of 8 MiB inside a memory group, under the ``"auto"`` budget: in a group whose limit
     leaves less room than that, the oldest files leave the page cache and the newer ones stay, within the room the
-    group's own readings give; in one with room for them all, every page stays. Neither group reaches its limit, and
-    every file keeps its data."""
+    group's own readings give; in one with room for them all, every page stays. The roomy group never reaches its
+    limit; the tight one may touch it where the disk lags behind the writes (seen once in a CI run: the kernel then
+    reclaims clean pages itself), but no process is killed, and every file keeps its data."""
     count, size = 32, 8 * MIB
     tight, tight_group = _in_group(128 * MIB, on_disk, on_disk / "tight.json", count, size)
     roomy, roomy_group = _in_group(GIB, on_disk, on_disk / "roomy.json", count, size)
@@ -281,7 +282,7 @@ def test_pages_leave_the_cache_under_a_tight_group_and_stay_under_a_roomy_one(on
     assert sum(resident) <= tight["room"] + size, (resident, tight["room"])
     assert roomy["resident"] == [size] * count, roomy["resident"]
     assert tight_group.oom_kills == roomy_group.oom_kills == 0
-    assert tight["peak"] < 128 * MIB and roomy["peak"] < GIB, (tight["peak"], roomy["peak"])
+    assert tight["peak"] <= 128 * MIB and roomy["peak"] < GIB, (tight["peak"], roomy["peak"])
 
 
 # --- the option -------------------------------------------------------------------------------------------------------
