@@ -43,7 +43,6 @@ def loss_report(output: str) -> tuple[float, float, int]:
     ("config", "chance_loss", "max_end_loss"),
     [
         ("zero2.yaml", math.log(256), 3.0),  # GPT "tiny": 256 tokens; the Markov chain's floor is far below 3
-        ("zero3.yaml", math.log(256), 3.0),
         ("zero3_class_path.yaml", math.log(256), 3.0),  # Block units, activation checkpointing
         ("vision_zero2.yaml", math.log(8), 0.8),  # 8 orientations
     ],
@@ -70,25 +69,34 @@ def test_example_config_trains(config: str, chance_loss: float, max_end_loss: fl
     assert val_losses[-1] < min(val_losses[0], max_end_loss), val_losses
 
 
-def test_the_class_path_config_is_zero2_yaml_with_its_option_set(tmp_path: Path) -> None:
-    """``zero2_class_path.yaml`` names the strategy by its class to set an option: parsed as the example's CLI parses
-    it, it builds a ``Zero2Strategy`` with that option, and every other setting is ``zero2.yaml``'s (which trains
-    above), so it trains as that one does."""
-    from lightning_zero import Zero2Strategy
+@pytest.mark.parametrize(
+    ("config", "twin", "strategy", "options"),
+    [
+        ("zero2_class_path.yaml", "zero2.yaml", "Zero2Strategy", {"bucket_cap_mb": 10}),
+        ("zero3.yaml", "zero3_class_path.yaml", "Zero3Strategy", {}),
+    ],
+)
+def test_a_config_is_its_trained_twin_but_for_the_strategy(
+    config: str, twin: str, strategy: str, options: dict, tmp_path: Path
+) -> None:
+    """Configs that differ from one trained above only in how the strategy is named: parsed as the example's CLI
+    parses them, each builds its strategy with its options (the defaults where it names none), and every other setting
+    is its twin's."""
+    import lightning_zero
     from lightning_zero._config import ZeroConfig
 
     cli = ExampleCLI(
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-        args=["--config", str(CONFIGS / "zero2_class_path.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        args=["--config", str(CONFIGS / config), f"--trainer.logger.init_args.save_dir={tmp_path}"],
     )  # fmt: skip
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, Zero2Strategy)
-    assert strategy.config.bucket_cap_mb == 10 != ZeroConfig(stage=2).bucket_cap_mb
-    twin, named = (yaml.safe_load((CONFIGS / name).read_text()) for name in ("zero2.yaml", "zero2_class_path.yaml"))
-    for config in (twin, named):
-        config["trainer"].pop("strategy")
-        config["trainer"]["logger"]["init_args"].pop("name")
-    assert named == twin
+    built = cli.trainer.strategy
+    assert type(built) is getattr(lightning_zero, strategy)
+    assert built.config == ZeroConfig(stage=built.config.stage, **options)
+    settings = [yaml.safe_load((CONFIGS / name).read_text()) for name in (config, twin)]
+    for each in settings:
+        each["trainer"].pop("strategy")
+        each["trainer"]["logger"]["init_args"].pop("name")
+    assert settings[0] == settings[1]
 
 
 def test_gpt_builds_its_layers_once_in_configure_model() -> None:
