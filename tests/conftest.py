@@ -16,8 +16,8 @@ _AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
 # moment, memory groups and page-cache residency. They are marked `serial`, and the suite runs them alone after the
 # rest has run on two workers (the README's command), so that another test's load never moves them.
 SERIAL = {
-    "test_checkpoint_crashes.py", "test_checkpoint_saves.py", "test_divergent.py", "test_faults.py",
-    "test_infinity_memory.py", "test_launch.py", "test_page_cache.py", "test_preemption.py", "test_shared_memory.py",
+    "test_checkpoint_saves.py", "test_divergent.py", "test_faults.py",
+    "test_infinity_memory.py", "test_launch.py", "test_page_cache.py", "test_shared_memory.py",
     "test_stalls.py", "test_watchdog.py",
 }  # fmt: skip
 

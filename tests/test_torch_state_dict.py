@@ -25,7 +25,8 @@ FP32_RUNS = STRATEGIES[:4]  # "zero2_master" trains in bf16: no parity with fp32
 SETS = {"every_rank": 1, "from_rank_zero": 2}  # how the whole state was handed over, and its seed
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+# 3 ranks: every parameter's rows split unevenly (2 ranks split them evenly, as the parity tests run)
+@pytest.fixture(scope="module", params=[3], ids=lambda n: f"{n}ranks")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp(f"torch_state_dict{request.param}")
     write_payload(out, strategies=STRATEGIES)
