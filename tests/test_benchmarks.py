@@ -93,9 +93,13 @@ def test_host_benchmark_times_and_profiles_each_strategy(tmp_path: Path) -> None
     assert len(timed) == 1, table.read_text()
     ddp_ms, zero3 = (cell.strip() for cell in timed[0].split("|")[2:4])
     assert float(ddp_ms) > 0 and zero3.endswith("x)"), timed
+    header = next(line for line in lines if line.startswith("| ranks | strategy |"))
+    names = [cell.strip() for cell in header.strip("|").split("|")][3:]
     profiled = [line.split(" | ") for line in lines if line.startswith("| 1 | ") and line.count("|") > 4]
     assert [row[1] for row in profiled] == ["ddp", "zero3"], table.read_text()
     for row in profiled:
-        step, parts = float(row[2]), [float(cell.strip(" |")) for cell in row[3:]]
-        assert step > 0 and sum(parts) == pytest.approx(step, rel=0.05), row  # the shares of one step
+        step, parts = float(row[2]), dict(zip(names, (float(cell.strip(" |")) for cell in row[3:]), strict=True))
+        # the shares are of the sampled step (they add up to it by construction): what is checked is that samples
+        # landed in the model's own code, so the sampler saw the timed steps
+        assert step > 0 and min(parts.values()) >= 0 and parts["model"] > 0, row
     assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
