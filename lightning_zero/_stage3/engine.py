@@ -102,8 +102,8 @@ class Stage3Engine:
         self.replicated_sharded = [ShardedParam(p, ShardSpec(p.shape, self.group.size()), mesh.shard)
                                    for p in self.replicated]  # fmt: skip
         self.root = self.units[-1]
-        for unit in self.units:
-            unit.release()
+        for unit in self.units:  # released from the start: the modules hold the shards
+            unit.hold_shards()
         self.phase = Phase.IDLE
         self.reducer: ReduceScatterReducer | None = None  # with the optimizers
         self._forwards = 0  # forwards of the whole module under way

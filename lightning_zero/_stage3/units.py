@@ -185,9 +185,11 @@ class Unit:
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
-        """The modules hold the shards; the whole tensors' memory goes back (nothing more if released)."""
+        """The modules hold the shards; the whole tensors' memory goes back. A released unit's modules hold its shards
+        already (they hold the whole parameters only once gathered): nothing to do."""
+        if self.state is UnitState.RELEASED:
+            return
         self.hold_shards()
-        if self.state is UnitState.GATHERED:
-            for part in self.parts:
-                part.free()
-            self.state = UnitState.RELEASED
+        for part in self.parts:
+            part.free()
+        self.state = UnitState.RELEASED
