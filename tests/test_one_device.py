@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
@@ -35,7 +36,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 STAGES = [1, 2, 3]
 
 
-def train(device: str, strategy: Any, steps: int = 6, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
+def train(
+    device: str,
+    strategy: Any,
+    steps: int = 6,
+    ckpt_path: Path | None = None,
+    module: type[Classifier] = Classifier,
+    **kwargs: Any,
+) -> pl.Trainer:
     if dist.is_initialized():  # each run starts its own process group
         dist.destroy_process_group()
     pl.seed_everything(0)
@@ -43,7 +51,7 @@ def train(device: str, strategy: Any, steps: int = 6, ckpt_path: Path | None = N
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
     )  # fmt: skip
-    trainer.fit(Classifier(), ckpt_path=ckpt_path)
+    trainer.fit(module(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -98,6 +106,38 @@ def test_fp32_masters_of_a_bf16_module(device: str, stage: int) -> None:
     trainer = train(device, sharded(stage, master_weights=True), steps=3, precision="bf16-true")
     assert_sharded_path(trainer, stage, device)
     assert_same(trainer, reference, f"zero{stage} masters on {device}", MASTER_WEIGHTS)
+
+
+class _SometimesSkips(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.always, self.even = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        return self.always(x) if skip else self.always(x) + self.even(x)
+
+
+class _SkipsInsideUnits(Classifier):
+    """Two repeated blocks (stage 3's units) whose second layer runs on even steps only, under AdamW with weight decay:
+    a parameter of a unit that ran, without a gradient on this step, must keep none (as under DDP), or the decay
+    moves it."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adamw_groups")
+        self.blocks = nn.ModuleList(_SometimesSkips() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        for block in self.blocks:
+            logits = block(logits, skip=self.global_step % 2 == 1)
+        return logits
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_without_a_gradient_inside_a_unit(stage: int) -> None:
+    reference = train("cpu", "ddp_find_unused_parameters_true", module=_SkipsInsideUnits)
+    trainer = train("cpu", sharded(stage), module=_SkipsInsideUnits)
+    assert_same(trainer, reference, f"zero{stage}, a layer skipped on odd steps")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -70,9 +70,7 @@ class BucketState(Enum):
 class Bucket:
     """Parameters reduced together, and the state of their reduction in the current backward pass."""
 
-    def __init__(
-        self, position: int, params: list[ShardedParam], dtype: torch.dtype | None, staging: Staging
-    ) -> None:
+    def __init__(self, position: int, params: list[ShardedParam], dtype: torch.dtype | None, staging: Staging) -> None:
         self.position = position  # launch order, the same on every rank
         self.staging = staging
         self.label = labels.REDUCE_SCATTER  # what its collective is for (stage 3: its unit's reduction)
@@ -82,7 +80,7 @@ class Bucket:
         self.state = BucketState.IDLE
         self.staged = [False] * len(params)
         self.num_staged = 0
-        self.absent = False  # some parameter had no gradient on this rank: the flags must be read to know the rest
+        self.missing: list[int] = []  # parameters with no gradient on this rank: their flags say so
         self.work: comm.Pending | None = None
         self.buffer: torch.Tensor | None = None  # the collective's input while the bucket is filling or reducing
         self.output: torch.Tensor | None = None  # where the reduced values land
@@ -99,11 +97,16 @@ class Bucket:
     def complete(self) -> bool:
         return self.num_staged == len(self.params)
 
+    @property
+    def absent(self) -> bool:
+        """Some parameter had no gradient on this rank: the flags must be read to know whether another rank had one."""
+        return bool(self.missing)
+
     def reset(self) -> None:
         self.state = BucketState.IDLE
         self.staged = [False] * len(self.params)
         self.num_staged = 0
-        self.absent = False
+        self.missing = []
         self.work = None
         self.streamed = False
 
@@ -198,7 +201,8 @@ class GradientReducer:
         raise NotImplementedError
 
     def _stage_absent(self, bucket: Bucket, index: int) -> None:
-        """Fill the slot of a parameter that produced no gradient on this rank with zeros and an absent flag."""
+        """Fill the slot of a parameter that produced no gradient on this rank with zeros (its flag is written with
+        the others' at launch, from ``bucket.missing``)."""
         raise NotImplementedError
 
     def _stage_together(self, bucket: Bucket, indices: list[int]) -> None:
@@ -221,21 +225,25 @@ class GradientReducer:
     # --- the mechanism --------------------------------------------------------------------------------------------
 
     def _on_grad_ready(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        """Runs once per parameter and backward pass (twice for a tied one): kept to what must happen here."""
         if self.mode is ReduceMode.LOCAL and self.honours_local_accumulation:
             return
-        if bucket.state in (BucketState.REDUCING, BucketState.DONE):
+        state = bucket.state
+        if state is BucketState.REDUCING or state is BucketState.DONE:
             raise RuntimeError(
                 f"A parameter of shape {tuple(param.shape)} received a second gradient after its bucket was reduced"
                 " in the same backward pass. HINT: use non-reentrant activation checkpointing"
                 " (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`)."
             )
-        self.backward_started()
+        if not self._in_backward:
+            self.backward_started()
         self._stage(bucket, index, bucket.params[index])
+        bucket.state = BucketState.FILLING
         if not bucket.staged[index]:
             bucket.staged[index] = True
             bucket.num_staged += 1
-        bucket.state = BucketState.FILLING
-        self._launch_ready_buckets()
+            if bucket.num_staged == len(bucket.params) and bucket.position == self._next_launch:
+                self._launch_ready_buckets()
 
     def accumulated(self, position: int) -> None:
         """Every gradient of the bucket at ``position`` (staged whole) is accumulated for this backward: they are
@@ -248,7 +256,7 @@ class GradientReducer:
         self._stage_together(bucket, present)
         for index in sorted(set(range(len(bucket.params))) - set(present)):
             self._stage_absent(bucket, index)
-            bucket.absent = True
+            bucket.missing.append(index)
         bucket.staged = [True] * len(bucket.params)
         bucket.num_staged = len(bucket.params)
         bucket.state = BucketState.FILLING
@@ -282,7 +290,7 @@ class GradientReducer:
                             self._stage(bucket, index, sharded)
                         else:
                             self._stage_absent(bucket, index)
-                            bucket.absent = True
+                            bucket.missing.append(index)
                 self._launch_next()
             for bucket in self.buckets:
                 self._wait(bucket)
@@ -378,13 +386,15 @@ class AllReduceReducer(GradientReducer):
         if grad.data_ptr() != region.data_ptr():
             region.copy_(grad)
             sharded.param.grad = region
-        bucket.layout.flags(bucket.buffer)[index] = 1
 
     def _stage_absent(self, bucket: Bucket, index: int) -> None:
         bucket.regions[index].zero_()
-        bucket.layout.flags(bucket.buffer)[index] = 0
 
     def _launch(self, bucket: Bucket) -> None:
+        flags = bucket.layout.flags(bucket.buffer)
+        flags.fill_(1)
+        for index in bucket.missing:
+            flags[index] = 0
         bucket.buffer.div_(self.average_over)
         if self.replicas is None:
             bucket.work = comm.all_reduce_sum(bucket.buffer, self.group)
@@ -397,7 +407,8 @@ class AllReduceReducer(GradientReducer):
     def _publish(self, bucket: Bucket, present: list[bool]) -> None:
         for sharded, region, flag in zip(bucket.params, bucket.regions, present, strict=True):
             if flag:
-                sharded.param.grad = region
+                if sharded.param.grad is not region:
+                    sharded.param.grad = region
                 self._hand_over(sharded)
             else:
                 sharded.param.grad = None
@@ -483,10 +494,8 @@ class ReduceScatterReducer(GradientReducer):
         chunks = self._input_chunks(bucket)
         flags = chunks[:, bucket.layout.flags_offset :]
         flags.fill_(1)
-        if bucket.absent:  # this rank has no gradient for some parameter
-            for index, staged in enumerate(bucket.staged):
-                if not staged:
-                    flags[:, index].zero_()
+        for index in bucket.missing:  # this rank has no gradient for it
+            flags[:, index].zero_()
         if self.average_over > 1:
             chunks.div_(self.average_over)
         fresh = all(s.shard.grad is None for s in bucket.params)
