@@ -30,6 +30,7 @@ counts) and the front end puts them where they go.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum, auto
@@ -53,6 +54,8 @@ from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh,
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
 from lightning_zero.memory import BufferHolder
+
+_BufferSlot = tuple[dict[str, torch.Tensor | None], str]  # (the owning module's buffer dict, the name)
 
 
 class LifeCycle(Enum):
@@ -81,6 +84,7 @@ class Mode:
         self.device = torch.device("cpu")  # set by ``setup_module``
         self.state = LifeCycle.NEW
         self._buffers_due = True  # whether the next step starts by broadcasting rank 0's buffers
+        self._buffer_slots: tuple[weakref.ref[nn.Module], list[_BufferSlot]] | None = None  # see ``_buffers``
 
     # --- construction and setup ---------------------------------------------------------------------------------
 
@@ -152,8 +156,23 @@ class Mode:
             return
         if self._buffers_due:
             with torch.no_grad():
-                comm.broadcast_(list(module.buffers()), group)
+                comm.broadcast_(self._buffers(module), group)
         self._buffers_due = torch.is_grad_enabled() and self._gradient_sync
+
+    def _buffers(self, module: nn.Module) -> list[torch.Tensor]:
+        """``module.buffers()``, from where each is registered, found once per module (as DDP finds them once): a
+        walk of every submodule at every step is host time a step need not spend. A buffer registered later is not
+        broadcast, as under DDP; one assigned anew in its place is."""
+        if self._buffer_slots is None or self._buffer_slots[0]() is not module:
+            seen: set[int] = set()
+            slots = []
+            for owner in module.modules():
+                for name, buffer in owner._buffers.items():
+                    if buffer is not None and id(buffer) not in seen:
+                        seen.add(id(buffer))
+                        slots.append((owner._buffers, name))
+            self._buffer_slots = (weakref.ref(module), slots)  # a dropped module goes
+        return [b for buffers, name in self._buffer_slots[1] if (b := buffers.get(name)) is not None]
 
     def run_step(self, plain: Callable[[], Any], as_forward: Callable[[], Any]) -> Any:
         """Run one step of a LightningModule hook, given two ways to call it: ``plain``, directly, or ``as_forward``,

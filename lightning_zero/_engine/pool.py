@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 class BufferPool:
@@ -11,6 +16,7 @@ class BufferPool:
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> the whole buffer behind it
+        self._derived: dict[tuple[int, int, int], object] = {}  # see ``derived``
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free.setdefault((dtype, device), [])
@@ -31,5 +37,16 @@ class BufferPool:
         """Bytes held by buffers not lent out right now."""
         return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
 
+    def derived(self, view: torch.Tensor, owner: object, make: Callable[[torch.Tensor], T]) -> T:
+        """``make(view)`` for a lent ``view`` and its ``owner`` (views of it, say), made once per buffer, size and
+        owner and kept while the pool keeps its buffers: a step that lays out a bucket in the same buffer again finds
+        them made."""
+        key = (view.data_ptr(), view.numel(), id(owner))
+        made = self._derived.get(key)
+        if made is None:
+            made = self._derived[key] = make(view)
+        return made  # type: ignore[return-value]
+
     def clear(self) -> None:
         self._free.clear()
+        self._derived.clear()

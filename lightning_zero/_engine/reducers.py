@@ -18,7 +18,7 @@ collectives, as DDP's ``find_unused_parameters=True`` does.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from enum import Enum, auto
 
 import torch
@@ -88,8 +88,8 @@ class Bucket:
         self.layout: NaturalLayout | RankMajorLayout | None = None
         self.regions: list[torch.Tensor] = []  # stage 1: each parameter's full gradient inside ``buffer``
         self.shard_grads: torch.Tensor | None = None  # stage 2, 1D (chunk_numel): this rank's gradient shards
-        # stage 2: where each gradient goes in ``buffer``, by the address of each pooled buffer it has had (a few)
-        self.slots: dict[int, list[torch.Tensor | list[torch.Tensor]]] = {}
+        # stage 2: where each gradient goes in ``buffer`` while it has one (kept by the pool with the buffer)
+        self.slots: list[torch.Tensor | list[torch.Tensor]] = []
         self.host_mirror: torch.Tensor | None = None  # stage 2 offloaded: ``shard_grads`` on the host, pinned
         self.streamed = False  # ``host_mirror`` is being filled on the copy stream in this backward
 
@@ -321,7 +321,7 @@ class GradientReducer:
         self._next_launch = 0
         self._in_backward = False
         for bucket in self.buckets:
-            bucket.slots.clear()  # views of pooled buffers a failed step may not have given back
+            bucket.slots = []  # views of a pooled buffer a failed step may not have given back
 
     def _presence(self) -> list[list[bool]]:
         """Per bucket, whether each parameter had a gradient on some rank: known without a read where it had one
@@ -430,24 +430,34 @@ class ReduceScatterReducer(GradientReducer):
 
     def _input_chunks(self, bucket: Bucket) -> torch.Tensor:
         if bucket.buffer is None:
-            bucket.buffer = self.pool.acquire(bucket.layout.numel, bucket.dtype, bucket.device)
+            self._take_input(bucket)
         return bucket.layout.chunks(bucket.buffer)
 
-    def _slots(self, bucket: Bucket) -> list[torch.Tensor | list[torch.Tensor]]:
+    def _take_input(self, bucket: Bucket) -> None:
+        """The bucket's input for this backward, from the pool, and its slots in it."""
+        bucket.buffer = self.pool.acquire(bucket.layout.numel, bucket.dtype, bucket.device)
+        bucket.slots = self.pool.derived(bucket.buffer, bucket, self._make_slots(bucket))
+
+    def _make_slots(self, bucket: Bucket) -> Callable[[torch.Tensor], list[torch.Tensor | list[torch.Tensor]]]:
         """Where each parameter's gradient goes in the bucket's input: a ``(world_size, rows x row)`` view across the
-        chunks where its rows split evenly (one copy), else one region per rank. Made once per input buffer."""
-        chunks = self._input_chunks(bucket)
-        slots = bucket.slots.get(chunks.data_ptr())
-        if slots is None:
-            layout = bucket.layout
-            slots = [
+        chunks where its rows split evenly (one copy), else one region per rank."""
+        layout = bucket.layout
+
+        def make(buffer: torch.Tensor) -> list[torch.Tensor | list[torch.Tensor]]:
+            chunks = layout.chunks(buffer)
+            return [
                 chunks[:, start : start + spec.padded_numel]
                 if spec.replicated or spec.shape[0] % self.world_size == 0
                 else [layout.region(chunks[r], index, r) for r in range(self.world_size)]
                 for index, (start, spec) in enumerate(zip(layout.offsets, layout.specs, strict=True))
             ]
-            bucket.slots[chunks.data_ptr()] = slots
-        return slots
+
+        return make
+
+    def _slots(self, bucket: Bucket) -> list[torch.Tensor | list[torch.Tensor]]:
+        if bucket.buffer is None:
+            self._take_input(bucket)
+        return bucket.slots
 
     def _stage(self, bucket: Bucket, index: int, sharded: ShardedParam) -> None:
         slot = self._slots(bucket)[index]

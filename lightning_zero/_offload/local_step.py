@@ -24,7 +24,7 @@ Vocabulary:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
@@ -83,6 +83,49 @@ class Views(Enum):
     # views kept would hold its old memory
 
 
+class _Plan:
+    """What the groups and the state held during the last step, kept for the next while the optimizer's groups,
+    its state and each shard's storage are the objects they were: a steady step then only hands over the gradients
+    (on the order of ten list operations over the parameters, rather than several calls per parameter)."""
+
+    __slots__ = ("groups", "local_state", "local_values", "plain_groups", "shard_state", "shard_values", "stepped")
+
+    def __init__(self, groups: list[list[torch.Tensor]], shard_state: dict[torch.Tensor, Any]) -> None:
+        self.groups = [tuple(params) for params in groups]  # the shards, as the groups held them
+        self.shard_state = shard_state
+        self.stepped: list[tuple[torch.Tensor, torch.Tensor, _Alias | None]] = []  # (shard, what steps, its alias)
+        self.plain_groups: list[list[torch.Tensor]] = []
+        self.local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.shard_values: list[Any] = []  # every shard's state dict, then every value in it, in ``stepped`` order
+        self.local_values: list[Any] = []  # the same of ``local_state``, as the last step left it
+
+    def holds(self, groups: list[list[torch.Tensor]], shard_state: dict[torch.Tensor, Any]) -> bool:
+        return (
+            shard_state is self.shard_state
+            and len(groups) == len(self.groups)
+            and all(_same(now, then) for now, then in zip(groups, self.groups, strict=True))
+            and all(alias is None or local_tensor(shard) is alias.local for shard, _, alias in self.stepped)
+            and _same(_state_values(shard_state, self.stepped), self.shard_values)
+        )
+
+
+def _state_values(state: dict[torch.Tensor, Any], stepped: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> list[Any]:
+    """Each entry's state dict and the values in it, flat (``get``: a defaultdict makes no entry)."""
+    values: list[Any] = []
+    for tensor, *_ in stepped:
+        entry = state.get(tensor)
+        values.append(entry)
+        if entry is not None:
+            values.extend(entry.values())
+    return values
+
+
+def _local_values(
+    local_state: dict[torch.Tensor, Any], stepped: list[tuple[torch.Tensor, torch.Tensor, Any]]
+) -> list[Any]:
+    return _state_values(local_state, [(stepping, None) for _, stepping, _ in stepped])
+
+
 class LocalStep:
     """Runs an elementwise optimizer's step on its shards' local tensors (see the module). Holds no optimizer: it
     lives beside one (a weak mapping or its wrapper), and the optimizer's groups and state are read at each step, so
@@ -91,6 +134,7 @@ class LocalStep:
     def __init__(self, views: Views = Views.KEPT) -> None:
         self._aliases: dict[int, tuple[DTensor, _Alias]] = {}  # by the shard's ``id``; the shard keeps the id its own
         self._views = views
+        self._plan: _Plan | None = None  # the last step's, while ``views`` keeps them
 
     @contextmanager
     def applied(self, optimizer: Optimizer) -> Generator[None, None, None]:
@@ -98,35 +142,55 @@ class LocalStep:
         taken inside updates the shards and their state in place."""
         groups = [group["params"] for group in optimizer.param_groups]
         shard_state = optimizer.state
-        local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        stepped: list[tuple[torch.Tensor, torch.Tensor, _Alias | None]] = []  # (shard, what stepped, its alias)
-        for group, params in zip(optimizer.param_groups, groups, strict=True):
-            plain = []
-            for param in params:
-                alias = self._alias(param) if isinstance(param, DTensor) else None
-                stepping = param if alias is None else alias.plain
-                if alias is not None:
-                    grad = param.grad
-                    alias.plain.grad = None if grad is None else local_tensor(grad)
-                state = shard_state.get(param)
-                if state is not None:
-                    local_state[stepping] = state if alias is None else _local_views(alias, state)
-                stepped.append((param, stepping, alias))
-                plain.append(stepping)
+        plan = self._plan
+        if plan is None or not plan.holds(groups, shard_state):
+            plan = self._make_plan(groups, shard_state)
+        for shard, stepping, alias in plan.stepped:
+            if alias is not None:
+                grad = shard.grad
+                stepping.grad = None if grad is None else local_tensor(grad)
+        for group, plain in zip(optimizer.param_groups, plan.plain_groups, strict=True):
             group["params"] = plain
-        optimizer.state = local_state
+        optimizer.state = plan.local_state
         try:
             yield
         finally:
             optimizer.state = shard_state
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = params
-            for shard, stepping, alias in stepped:
-                _keep_new_state(shard_state, shard, local_state.get(stepping), alias)
+            for _, stepping, alias in plan.stepped:
                 if alias is not None:
-                    alias.plain.grad = None
-                    if self._views is Views.PER_STEP:
-                        alias.forget_state()
+                    stepping.grad = None
+            self._after_step(plan)
+
+    def _make_plan(self, groups: list[list[torch.Tensor]], shard_state: dict[torch.Tensor, Any]) -> _Plan:
+        plan = _Plan(groups, shard_state)
+        for params in groups:
+            plain = []
+            for param in params:
+                alias = self._alias(param) if isinstance(param, DTensor) else None
+                stepping = param if alias is None else alias.plain
+                state = shard_state.get(param)
+                if state is not None:
+                    plan.local_state[stepping] = state if alias is None else _local_views(alias, state)
+                plan.stepped.append((param, stepping, alias))
+                plain.append(stepping)
+            plan.plain_groups.append(plain)
+        plan.shard_values = _state_values(shard_state, plan.stepped)
+        plan.local_values = _local_values(plan.local_state, plan.stepped)
+        return plan
+
+    def _after_step(self, plan: _Plan) -> None:
+        """What the step created or replaced becomes the shards' state; the plan is kept where nothing was."""
+        if self._views is Views.KEPT and _same(_local_values(plan.local_state, plan.stepped), plan.local_values):
+            self._plan = plan  # the usual step: every entry updated in place
+            return
+        shard_state = plan.shard_state
+        for shard, stepping, alias in plan.stepped:
+            _keep_new_state(shard_state, shard, plan.local_state.get(stepping), alias)
+            if alias is not None and self._views is Views.PER_STEP:
+                alias.forget_state()
+        self._plan = None
 
     @contextmanager
     def around_step(self, optimizer: Optimizer) -> Generator[None, None, None]:
@@ -200,6 +264,6 @@ def _keep_new_state(
     alias.local_values = tuple(local.values())
 
 
-def _same(these: tuple[Any, ...], those: tuple[Any, ...]) -> bool:
+def _same(these: Sequence[Any], those: Sequence[Any]) -> bool:
     """The same objects, one for one (``==`` on tensors would compare their values)."""
     return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
