@@ -54,19 +54,25 @@ def install(
         return _label_own_collectives(fsdp_modules, group, where)
     channel = shared_memory.channel(group)
     if channel is not None:
-        ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
-        if not channel.open_gather_ring(ring_bytes) and dist.get_rank() == 0:  # said once per run
-            warnings.warn(
-                f"lightning_zero: /dev/shm has no room for stage 3's gather ring ({shared_memory.RING_SIZE} x"
-                f" {ring_bytes / 2**20:.1f} MiB); units are gathered through smaller shared buffers, with two more"
-                " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`).",
-                stacklevel=2,
-            )
+        open_gather_ring(channel, largest_unit_bytes)
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
         module.set_custom_all_gather(HostAllGather(channel, labels.unit_gather(*where[module])))
         module.set_custom_reduce_scatter(HostReduceScatter(labels.unit_reduce(*where[module])))
     return channel
+
+
+def open_gather_ring(channel: shared_memory.Channel, largest_unit_bytes: int) -> None:
+    """Collective: ``channel``'s gather ring, sized for the largest unit (up to :data:`RING_BUFFER_LIMIT`); where
+    ``/dev/shm`` has no room for it, units are gathered through the channel's slots, and rank 0 says so."""
+    ring_bytes = min(_page_multiple(largest_unit_bytes), RING_BUFFER_LIMIT)
+    if not channel.open_gather_ring(ring_bytes) and dist.get_rank() == 0:  # said once per run
+        warnings.warn(
+            f"lightning_zero: /dev/shm has no room for stage 3's gather ring ({shared_memory.RING_SIZE} x"
+            f" {ring_bytes / 2**20:.1f} MiB); units are gathered through smaller shared buffers, with two more"
+            " copies each. HINT: give /dev/shm more room (`docker run --shm-size=...`).",
+            stacklevel=3,
+        )
 
 
 def _label_own_collectives(

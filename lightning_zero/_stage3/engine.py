@@ -38,6 +38,7 @@ from lightning_zero._engine.loss_scaler import LossScaler
 from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.reducers import ReduceScatterReducer
 from lightning_zero._engine.sharded_param import ShardedParam
+from lightning_zero._stage3.collectives import open_gather_ring
 from lightning_zero._stage3.seam import mark_sharded
 from lightning_zero._stage3.units import Unit, UnitState
 from lightning_zero._transport import activity, labels, shared_memory
@@ -108,6 +109,9 @@ class Stage3Engine:
         self.reducer: ReduceScatterReducer | None = None  # with the optimizers
         self._forwards = 0  # forwards of the whole module under way
         self._channel = shared_memory.channel(self.group) if self.group.size() > 1 else None
+        if self._channel is not None:  # a unit's ranks then write their rows into one shared buffer, read in place
+            # the root, gathered once a step, larger than every unit (embeddings, a head), goes through the slots
+            open_gather_ring(self._channel, max(unit.gathered_bytes for unit in self.units[:-1] or self.units))
         for unit, unit_module in zip(self.units, [*units, module], strict=True):
             unit_module.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True)
             unit_module.register_forward_hook(self._after_forward(unit))
@@ -165,7 +169,7 @@ class Stage3Engine:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             if unit is self.root:
                 self._forwards += 1
-            unit.gather(self.pool)
+            unit.gather(self.pool, self._channel)
             unit.hold_whole()
             if unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE:
                 unit.forwards += 1
@@ -199,7 +203,7 @@ class Stage3Engine:
                 Variable._execution_engine.queue_callback(self._end_of_backward)
                 if self.reducer is not None:  # units run twice stage their gradients only at the end
                     self.reducer.backward_started()
-            unit.gather(self.pool)
+            unit.gather(self.pool, self._channel)
             unit.hold_whole()  # a recomputation (activation checkpointing) may call its forward directly
 
         return hook

@@ -32,6 +32,7 @@ from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._grouping import group_by
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport import shared_memory
 
 
 class UnitState(Enum):
@@ -167,8 +168,15 @@ class Unit:
                 whole.requires_grad_(shard.requires_grad)
             params[name] = whole
 
-    def gather(self, pool: BufferPool) -> None:
-        """Every rank's rows, laid out whole (collective; nothing if gathered)."""
+    @property
+    def gathered_bytes(self) -> int:
+        """The largest of its parts' all-gathers, in bytes."""
+        return max((part.layout.numel * part.dtype.itemsize for part in self.parts), default=0)
+
+    def gather(self, pool: BufferPool, channel: shared_memory.Channel | None = None) -> None:
+        """Every rank's rows, laid out whole (collective; nothing if gathered). Through a buffer of ``channel``'s
+        gather ring where it has one free and large enough (every rank writes its rows into the one shared buffer,
+        which every rank reads in place: no copies in and out of the channel), else through a pooled one."""
         if self.state is UnitState.GATHERED:
             return
         for part in self.parts:
@@ -176,12 +184,15 @@ class Unit:
             if part.world_size == 1 and part.rows.dtype == part.dtype:  # one rank: its rows are the whole
                 part.fill_whole(part.rows)
                 continue
-            gathered = pool.acquire(part.layout.numel, part.dtype, part.device)
+            shared = None if channel is None else channel.gather_buffer(part.layout.numel, part.dtype)
+            gathered = pool.acquire(part.layout.numel, part.dtype, part.device) if shared is None else shared
             chunk = part.layout.chunks(gathered)[part.rank]
             chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
             comm.all_gather(gathered, chunk, self.group, self.label).wait()
             part.fill_whole(gathered)
-            pool.release(gathered)
+            if shared is None:
+                pool.release(gathered)
+            del gathered, chunk, shared  # a ring buffer is free again once no rank refers to it
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
