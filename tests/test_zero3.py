@@ -144,6 +144,18 @@ def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: s
 
 
 @pytest.mark.slow
+def test_units_are_gathered_in_the_shared_ring(results: list[dict[Any, Any]]) -> None:
+    """On one host the ranks write their rows of a unit into one shared buffer of the gather ring, which each reads in
+    place (no copy into and out of the channel's slots): the ring is sized for the largest unit but the root, so every
+    block's gather, in each forward and backward, is one."""
+    for rank, per_rank in enumerate(results):
+        run = per_rank[("tied_lm_clip_accumulate", "zero3")]
+        steps, micro_batches = 3, 2
+        units = len(TiedLM().blocks)
+        assert run["ring_handouts"] >= steps * micro_batches * 2 * units, f"rank{rank}: {run['ring_handouts']}"
+
+
+@pytest.mark.slow
 def test_training_moved_the_weights(results: list[dict[Any, Any]]) -> None:
     """Guards the oracle: the reassembled weights really changed, so matching DDP means something."""
     torch.manual_seed(0)

@@ -59,6 +59,7 @@ _DISABLE = "LIGHTNING_ZERO_SHM_DISABLE"
 _POLL_SECONDS = 1.0  # how often a waiting rank checks that its peers are alive
 _MESSAGE_BYTES = 5  # a barrier's message: the status byte, then the label (4 bytes, little-endian)
 _CHANNELS: dict[ProcessGroup, Channel | None] = {}
+_RING_HANDOUTS = [0]  # gather-ring buffers this process's channels handed out (see ``ring_handouts``)
 
 
 def channel(group: ProcessGroup) -> Channel | None:
@@ -79,6 +80,12 @@ def _wanted_here() -> bool:
 def mapped_bytes() -> int:
     """Bytes of shared memory this process has mapped for its channels: every rank's segment and the gather ring."""
     return sum(c.mapped_bytes for c in _CHANNELS.values() if c is not None)
+
+
+def ring_handouts() -> int:
+    """How many all-gather outputs this process's channels have placed in a gather ring so far: gathers that moved no
+    bytes through the channel's slots."""
+    return _RING_HANDOUTS[0]
 
 
 def close_all(failed: bool = False) -> None:
@@ -215,6 +222,7 @@ class Channel:
             return None
         index = (self._ring_free & -self._ring_free).bit_length() - 1  # the lowest free one
         self._ring_free &= ~(1 << index)
+        _RING_HANDOUTS[0] += 1
         return self._ring.buffer(index, numel, dtype)
 
     def all_gather(self, output: torch.Tensor, label: int = labels.ALL_GATHER) -> InFlight:

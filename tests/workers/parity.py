@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_zero._transport import shared_memory
 from lightning_zero.memory import engine_of, measure, storage_bytes
 from tests.oracle import full, full_optimizer_state
 from tests.scenarios import QUIET, Scenario, StrategySpec, read_payload, save_results
@@ -65,6 +66,7 @@ def run(scenario: Scenario, strategy: StrategySpec, out_dir: Path) -> dict[str, 
     recorder = LogRecorder()
     lightning_logger = logging.getLogger("lightning.pytorch")
     lightning_logger.addHandler(recorder)
+    handed_out = shared_memory.ring_handouts()
     try:
         trainer, probe = fit(scenario, strategy, ckpt_path=ckpt_path)
     finally:
@@ -87,6 +89,7 @@ def run(scenario: Scenario, strategy: StrategySpec, out_dir: Path) -> dict[str, 
         "state_bytes": [optimizer_state_bytes(opt) for opt in trainer.optimizers],
         "model_state": measure(module, trainer.optimizers, engine_of(trainer.strategy)),
         "memory_reports": [m for m in recorder.messages if m.startswith("Model state per rank")],
+        "ring_handouts": shared_memory.ring_handouts() - handed_out,  # units gathered in the shared gather ring
     }
     engine = engine_of(trainer.strategy)
     if engine is not None and any(s.has_master for s in engine.sharded):
