@@ -101,8 +101,8 @@ def test_group_room_learns_the_working_set_and_shares_the_rest(tmp_path: Path) -
     """The group's room is its limit less the largest anonymous usage read and a headroom: 1/16 of the limit, or the
     most the usage rose above one reading before the next (the group's peak shows it) if more. A rank's share of it,
     less the most it mapped of the files at once, holds its ranges and what it reads ahead: beyond it the oldest are
-    dropped (making room for pages about to be read ahead), beyond half of it (or a quarter of the limit over the
-    ranks) dirty ones written back; over the group's room a rank waits for its writebacks. Until a first step has
+    dropped (making room for pages about to be read ahead), beyond all of it but the rank's part of a second
+    headroom dirty ones written back; over the group's room a rank waits for its writebacks. Until a first step has
     ended it keeps nothing that left."""
 
     def read(total: float, anonymous: float, dirty: float, peak: float) -> None:
@@ -127,14 +127,15 @@ def test_group_room_learns_the_working_set_and_shares_the_rest(tmp_path: Path) -
     assert (room.headroom, room.room(), room.share()) == (GIB, 12 * GIB, 6 * GIB)
     read(total=6, anonymous=4, dirty=1, peak=8)  # between the readings the usage rose 3 GiB above the first
     mapped[0] = 2 * GIB  # and this rank works on 1 GiB of the files
-    held = Held(cached=3 * GIB, dirty=2 * GIB, writing=0, dropping=0, reading=GIB)
-    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.25))  # a share of 4.5, less 1 in use: 3.5
+    held = Held(cached=3 * GIB, dirty=gib(2.5), writing=0, dropping=0, reading=GIB)
+    # a share of 4.5, less 1 in use: 3.5; dirty up to it less half the headroom (3 GiB over 2 ranks): 2
+    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.5))
     assert (room.headroom, room.room(), room.share()) == (3 * GIB, 9 * GIB, gib(3.5))
     assert room.excess(held, incoming=GIB).drop == gib(1.5)
     assert room.admits(held, incoming=2 * GIB) and not room.admits(held, incoming=3 * GIB)
     read(total=5, anonymous=2, dirty=1, peak=8)
     mapped[0] = GIB  # the working set shrank, and this rank maps less: their peaks still count
-    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.25)) and room.share() == gib(3.5)
+    assert room.excess(held) == Excess(drop=gib(0.5), write=gib(0.5)) and room.share() == gib(3.5)
     read(total=14, anonymous=2, dirty=1, peak=14)  # rose 9 GiB: the room is 3, the page cache 12
     assert room.excess(nothing) == Excess(over=9 * GIB) and room.share() == gib(0.5)
 

@@ -18,8 +18,8 @@ The option, resolved by :func:`budget_for`:
 - ``"auto"`` (the default): ``"keep"`` without a memory limit below the machine's memory; under one, a
   :class:`GroupRoom`. A limit counts the page cache, and cgroup v1 has no dirty-page throttling per group: a group
   full of dirty pages cannot reclaim them fast enough and its processes are killed. So the files may fill what the
-  limit leaves beside the working set's peak and a headroom, each rank its share, and at most half of that may be
-  dirty.
+  limit leaves beside the working set's peak and a headroom, each rank its share, and all of that but a second
+  headroom may be dirty.
 - ``"drop"``: a budget of 0 (:class:`Fixed`): every range leaves the page cache as it leaves the process, a written
   one once its writeback is done: what a memory limit meant before the budget.
 - a number of bytes: a :class:`Fixed` budget of that much page cache per rank, half of it dirty at most, with or
@@ -38,7 +38,6 @@ from typing import Protocol
 from lightning_zero._offload.cgroup import MemoryGroup, Usage, limiting_group
 
 HEADROOM_SHARE = 16  # 1/16 of a memory limit is left free beside the working set's peak and the files' pages
-DIRTY_SHARE = 4  # the group's dirty pages stay under 1/4 of its limit, and under half its page-cache budget
 
 
 class PageCache(enum.Enum):
@@ -118,8 +117,9 @@ class GroupRoom:
     it: the limit less the peak of the group's anonymous memory (every rank's working set, learned from the readings)
     and a headroom for what grows between two readings (:attr:`headroom`, learned too), in equal shares. A rank's
     share holds the pages it works on (the file pages it maps, at their peak so far, learned from its own resident
-    memory) and what it reads ahead; the rest may hold the ranges that left it, the oldest dropped beyond it, and half
-    of it dirty pages (and at most 1/:data:`DIRTY_SHARE` of the limit over all ranks). Ranges being dropped stay in
+    memory) and what it reads ahead; the rest may hold the ranges that left it, the oldest dropped beyond it, and all of
+    it but the rank's part of a second headroom dirty pages (kept clean, so that a rise of the working set past the
+    first headroom finds pages it can reclaim without waiting for the disk). Ranges being dropped stay in
     memory until written back: once the group's page cache is over the room with them, a rank waits for its
     writebacks, so that the group stays below its limit. Pages to read ahead that do not fit the share are read as
     they are used. Until a first optimizer step has ended, the working set is not known: nothing that left is kept
@@ -158,7 +158,7 @@ class GroupRoom:
     def excess(self, held: Held, incoming: int = 0) -> Excess:
         usage = self._read()
         share = self.share()
-        dirty_allowance = min(share // 2, self.group.limit // DIRTY_SHARE // self.ranks)
+        dirty_allowance = max(share - self.headroom // self.ranks, 0)
         return Excess(
             drop=max(held.cached + held.reading + incoming - share, 0),
             write=max(held.dirty - dirty_allowance, 0),
