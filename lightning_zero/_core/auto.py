@@ -20,19 +20,28 @@ from lightning_zero._core.report import log_info
 from lightning_zero._offload.process_group import backend_with_host
 from lightning_zero._transport.stalls import as_verdict
 
-# options the choice sets, or that tune only a placement it may not choose
-_CHOSEN = ("stage", "offload_optimizer", "offload_parameters", "offload_dir")
-_DISK_ONLY = ("max_in_cpu", "prefetch_units", "page_cache")
+# options the choice sets, or that tune only a placement it may not choose, with their defaults
+_CHOSEN: dict[str, object] = {
+    "stage": None,
+    "offload_optimizer": False,
+    "offload_parameters": False,
+    "max_in_cpu": 0,
+    "prefetch_units": 2,
+    "page_cache": "auto",
+    "deepspeed_config": None,
+}
 
 
-def refuse_chosen_options(options: dict[str, Any]) -> None:
-    """``zero_auto`` chooses the stage and the offload: options that set them are refused, by name."""
-    for name in (*_CHOSEN[:-1], *_DISK_ONLY, "deepspeed_config"):
-        if name in options:
+def without_chosen_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less those the choice sets, which may only hold their defaults (a LightningCLI config passes every
+    option of the signature it resolves): another value is refused, by name."""
+    for name, default in _CHOSEN.items():
+        if name in options and options[name] != default:
             raise ValueError(
                 f"zero_auto chooses the stage and the offload itself and takes no `{name}`. HINT: cap the choice with"
                 " `max_stage` or `offload`, or name the strategy by hand (e.g. `strategy='zero3_infinity'`)."
             )
+    return {name: value for name, value in options.items() if name not in _CHOSEN}
 
 
 class AutoChoosing:

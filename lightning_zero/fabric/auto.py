@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_zero._auto.choice import DEFAULT_RESERVE, AutoOptions, optimizer_key
 from lightning_zero._config import Stage
-from lightning_zero._core.auto import AutoChoosing, refuse_chosen_options
+from lightning_zero._core.auto import AutoChoosing, without_chosen_options
 from lightning_zero._core.front_end import register_auto
 from lightning_zero.fabric.strategy import ZeroStrategy
 
@@ -47,7 +47,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
             optimizer=optimizer,
             memory_per_rank=memory_per_rank,
         )
-        refuse_chosen_options(options)
+        options = without_chosen_options(options)
         super().__init__(Stage.PARAMETERS, **options)
         self._keep_options(options, offload_dir)
 

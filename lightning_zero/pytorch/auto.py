@@ -13,8 +13,9 @@ from typing_extensions import override
 
 from lightning_zero._auto.choice import DEFAULT_RESERVE, AutoOptions, check_optimizer, optimizer_key
 from lightning_zero._config import Stage
-from lightning_zero._core.auto import AutoChoosing, refuse_chosen_options
+from lightning_zero._core.auto import AutoChoosing, without_chosen_options
 from lightning_zero._core.front_end import register_auto
+from lightning_zero._core.optimizers import unwrap
 from lightning_zero.pytorch.strategy import ZeroStrategy
 
 
@@ -59,7 +60,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
             optimizer=optimizer,
             memory_per_rank=memory_per_rank,
         )
-        refuse_chosen_options(options)
+        options = without_chosen_options(options)
         super().__init__(Stage.PARAMETERS, **options)
         self._keep_options(options, offload_dir)
 
@@ -81,6 +82,6 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         super().setup_optimizers(trainer)
         assert self.auto_choice is not None
         for optimizer in self.optimizers:
-            key = optimizer_key(optimizer)
+            key = optimizer_key(unwrap(optimizer))
             if key is not None:
                 check_optimizer(self.auto_choice, key, self.auto_options)
