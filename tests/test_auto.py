@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero._auto.budget import Budget
-from lightning_zero._auto.candidates import Candidate, Workload, needs
+from lightning_zero._auto.candidates import Workload, needs
 from lightning_zero._auto.choice import AutoChoiceError, AutoOptions, Verdict, check_optimizer, decide
 from lightning_zero._core.auto import _counted
 from tests.workers.modules import Classifier
