@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("stages 1 and 2", ["_engine"]),
     ("stage 3", ["_stage3"]),
     ("reports", ["memory", "estimate"]),
+    ("the automatic choice of stage and offload", ["_auto"]),
     ("the core", ["_core"]),
     ("front ends", ["pytorch", "fabric", "consolidate"]),
     ("the package", ["", "__main__"]),

@@ -240,3 +240,9 @@ def register_names(registry: _StrategyRegistry, classes: tuple[type, type, type]
     infinity = {"offload_parameters": "disk", "offload_optimizer": "disk", "offload_dir": tempfile.gettempdir()}
     description = "ZeRO stage 3 with shards, gradients and optimizer state in files under the temporary directory"
     registry.register("zero3_infinity", zero3, description=description, override=True, **infinity)
+
+
+def register_auto(registry: _StrategyRegistry, auto: type) -> None:
+    """Register ``"zero_auto"`` for a front end's ``ZeroAutoStrategy``."""
+    description = "ZeRO with the stage and offload that fit each rank's memory, chosen at set-up"
+    registry.register("zero_auto", auto, description=description, override=True)

@@ -1,0 +1,87 @@
+"""The Trainer's ``strategy="zero_auto"``: the stage and offload chosen at set-up from the model's size and each
+rank's memory (see :mod:`lightning_zero._auto`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from lightning_zero._auto.choice import DEFAULT_RESERVE, AutoOptions, check_optimizer, optimizer_key
+from lightning_zero._config import Stage
+from lightning_zero._core.auto import AutoChoosing, without_chosen_options
+from lightning_zero._core.front_end import register_auto
+from lightning_zero._core.optimizers import unwrap
+from lightning_zero.pytorch.strategy import ZeroStrategy
+
+
+class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
+    """The first of ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload`` and ``zero3_infinity`` (the
+    order of their traffic) whose model state fits each rank's memory beside the activation reserve, chosen when
+    ``fit`` sets up, before any rank builds a ``configure_model`` model; the table of the choice is logged on rank 0
+    and kept in :attr:`auto_choice`.
+
+    ``Trainer(strategy="zero_auto")`` or ``Trainer(strategy=ZeroAutoStrategy(...))``.
+
+    Args:
+        max_stage: the highest stage the choice may run (1, 2 or 3).
+        offload: ``True`` (the default): host memory or files under ``offload_dir``; ``"cpu"``: host memory, no
+            files; ``False``: no offload.
+        activation_reserve: the part of each rank's memory left for activations, buffers and the framework: a
+            fraction below 1 (default 0.25) or bytes.
+        optimizer: the optimizer the estimate assumes (``"adam"``, ``"adamw"``, ``"sgd-momentum"``, ``"sgd"``);
+            ``configure_optimizers`` runs after the choice, and fails where its optimizer's state does not fit.
+        memory_per_rank: bytes each rank may use instead of what is measured (the tightest memory group or the
+            available memory, shared by the node's ranks; on a GPU the device's free memory).
+        offload_dir: where ZeRO-Infinity's files go, if it is chosen (default: the temporary directory).
+        options: the other options of :class:`ZeroStrategy`, but those the choice sets (``stage``, ``offload_*``,
+            the disk options, ``deepspeed_config``). ``auto_wrap_policy`` applies if stage 3 is chosen.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_stage: int = 3,
+        offload: bool | str = True,
+        activation_reserve: float | int = DEFAULT_RESERVE,
+        optimizer: str = "adam",
+        memory_per_rank: int | None = None,
+        offload_dir: str | Path | None = None,
+        **options: Any,
+    ) -> None:
+        self.auto_options = AutoOptions.from_options(
+            max_stage=max_stage,
+            offload=offload,
+            activation_reserve=activation_reserve,
+            optimizer=optimizer,
+            memory_per_rank=memory_per_rank,
+        )
+        options = without_chosen_options(options)
+        super().__init__(Stage.PARAMETERS, **options)
+        self._keep_options(options, offload_dir)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_auto(strategy_registry, cls)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        assert module is not None
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        self._choose(module, precision, None, is_overridden("configure_model", module, LightningModule))
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        assert self.auto_choice is not None
+        for optimizer in self.optimizers:
+            key = optimizer_key(unwrap(optimizer))
+            if key is not None:
+                check_optimizer(self.auto_choice, key, self.auto_options)

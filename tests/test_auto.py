@@ -1,0 +1,178 @@
+"""``zero_auto``'s choice, in process: the candidate picked for fake budgets and model sizes (each candidate's bytes
+derived by hand from the ZeRO paper's formulas below), its named errors, its registration and the CLI's string form.
+The 2-rank parity with the strategy named by hand is tests/test_auto_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_zero
+from lightning_zero._auto.budget import Budget
+from lightning_zero._auto.candidates import Workload, needs
+from lightning_zero._auto.choice import AutoChoiceError, AutoOptions, Verdict, check_optimizer, decide
+from lightning_zero._core.auto import _counted
+from tests.workers.modules import Classifier
+
+MILLION = 1_000_000
+# fp32 Adam on 2 ranks, per parameter: zero1 4 + 4 + 8/2 = 12 B; zero2 4 + 4/2 + 8/2 = 10 B; zero3 16/2 = 8 B;
+# zero2_offload 4 + 4/2 on the device, 8/2 on the host; zero3_offload all 8 B on the host; infinity 8 B on disk
+WORKLOAD = Workload(MILLION, MILLION, "32-true", False, "adam", num_ranks=2)
+NO_RESERVE = AutoOptions.from_options(activation_reserve=0)
+
+
+def cpu(memory: float, disk: float | None = 1e9) -> Budget:
+    return Budget(memory=int(memory), host=None, disk=None if disk is None else int(disk), source="test")
+
+
+def gpu(device: float, host: float, disk: float = 1e9) -> Budget:
+    return Budget(memory=int(device), host=int(host), disk=int(disk), source="test")
+
+
+def test_needs_follow_the_papers_formulas() -> None:
+    by_name = {c.label: (n.device, n.host, n.disk) for c, n in needs(WORKLOAD).items()}
+    assert by_name == {
+        "zero1": (12 * MILLION, 0, 0),
+        "zero2": (10 * MILLION, 0, 0),
+        "zero3": (8 * MILLION, 0, 0),
+        "zero2_offload": (6 * MILLION, 4 * MILLION, 0),
+        "zero3_offload": (0, 8 * MILLION, 0),
+        "zero3_infinity": (0, 0, 8 * MILLION),
+    }
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        (cpu(12e6), "zero1"),  # exactly fits
+        (cpu(12e6 - 1), "zero2"),
+        (cpu(9e6), "zero3"),
+        (cpu(7e6), "zero3_infinity"),  # offload to host memory does not help on the CPU: it is the same memory
+        (gpu(7e6, 1e9), "zero2_offload"),
+        (gpu(5e6, 1e9), "zero3_offload"),
+        (gpu(5e6, 7e6), "zero3_infinity"),  # host memory too small for zero3_offload's 8 MB
+    ],
+)
+def test_the_first_candidate_that_fits_is_chosen(budget: Budget, expected: str) -> None:
+    choice = decide(WORKLOAD, budget, NO_RESERVE)
+    assert choice.name == expected
+    verdicts = [row.verdict for row in choice.rows]
+    assert verdicts.count(Verdict.CHOSEN) == 1
+    assert all(v not in (Verdict.FITS, Verdict.CHOSEN) for v in verdicts[: verdicts.index(Verdict.CHOSEN)])
+
+
+def test_the_reserve_is_kept_out_of_the_budget() -> None:
+    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=0.25)).name == "zero1"
+    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=0.3)).name == "zero2"
+    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=int(6e6))).name == "zero2"
+    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=int(6e6))).reserve == int(6e6)
+
+
+@pytest.mark.parametrize(
+    ("options", "budget", "expected"),
+    [
+        ({"max_stage": 2}, gpu(9e6, 1e9), "zero2_offload"),  # zero3 would fit
+        ({"max_stage": 1, "offload": False}, cpu(20e6), "zero1"),
+        ({"offload": "cpu"}, gpu(5e6, 1e9), "zero3_offload"),
+    ],
+)
+def test_caps_limit_the_candidates(options: dict, budget: Budget, expected: str) -> None:
+    choice = decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=0, **options))
+    assert choice.name == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "budget"),
+    [
+        ({"offload": False}, cpu(7e6)),
+        ({"offload": False}, gpu(7e6, 1e9)),  # zero2_offload would fit
+        ({"offload": "cpu"}, gpu(5e6, 7e6)),
+        ({"max_stage": 2}, cpu(9e6)),
+        ({}, cpu(7e6, disk=7e6)),  # infinity's 8 MB of files do not fit on the disk either
+    ],
+)
+def test_nothing_fits_names_the_need_and_the_options(options: dict, budget: Budget) -> None:
+    with pytest.raises(AutoChoiceError, match=r"no candidate that fits.*needs .* HINT: .*`activation_reserve`"):
+        decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=0, **options))
+
+
+def test_the_table_says_what_was_chosen_and_why() -> None:
+    choice = decide(WORKLOAD, cpu(9e6), NO_RESERVE)
+    table = choice.table()
+    assert "| `zero3` | 7.6 MiB | 0 B | chosen |" in table
+    assert "| `zero1` | 11.4 MiB | 0 B | too large for memory |" in table
+    assert "before it: zero1 (too large for memory), zero2 (too large for memory)" in choice.reason
+
+
+def test_a_configured_optimizer_with_more_state_fails_naming_the_candidate_that_fits() -> None:
+    sgd = Workload(MILLION, MILLION, "32-true", False, "sgd", num_ranks=2)  # zero1: 4 + 4 = 8 B per parameter
+    choice = decide(sgd, cpu(9e6), NO_RESERVE)
+    assert choice.name == "zero1"
+    with pytest.raises(AutoChoiceError, match=r"chose zero1 .* is adam, .* zero3 would. HINT: pass `optimizer='adam'`"):
+        check_optimizer(choice, "adam", NO_RESERVE)
+    check_optimizer(choice, "sgd", NO_RESERVE)  # the one assumed: nothing to say
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_stage", 4),
+        ("max_stage", True),
+        ("offload", "nvme"),
+        ("activation_reserve", 1.0),
+        ("activation_reserve", -1),
+        ("optimizer", "lion"),
+        ("memory_per_rank", 0),
+    ],
+)
+def test_bad_options_are_named(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"`{option}={value!r}`.* HINT:"):
+        lightning_zero.ZeroAutoStrategy(**{option: value})
+
+
+@pytest.mark.parametrize("option", ["stage", "offload_optimizer", "offload_parameters", "page_cache"])
+def test_options_the_choice_sets_are_refused(option: str) -> None:
+    with pytest.raises(ValueError, match=rf"takes no `{option}`. HINT: cap the choice"):
+        lightning_zero.ZeroAutoStrategy(**{option: 3 if option == "stage" else True})
+
+
+def test_zero_auto_is_registered_in_both_front_ends() -> None:
+    assert StrategyRegistry["zero_auto"]["strategy"] is lightning_zero.ZeroAutoStrategy
+    assert FABRIC_STRATEGIES["zero_auto"]["strategy"] is lightning_zero.fabric.ZeroAutoStrategy
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trainer.strategy=zero_auto"],
+        ["--trainer.strategy=lightning_zero.ZeroAutoStrategy", "--trainer.strategy.max_stage=2"],
+    ],
+)
+def test_the_cli_resolves_zero_auto(args: list[str]) -> None:
+    cli = LightningCLI(Classifier, run=False, args=["--trainer.accelerator=cpu", *args])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, lightning_zero.ZeroAutoStrategy)
+    assert strategy.auto_options.max_stage == (2 if len(args) == 2 else 3)
+
+
+class BuiltLater(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(10, 2)
+        self.body: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.body is None:
+            self.body = torch.nn.Linear(1000, 1000)
+
+
+def test_a_configure_model_module_is_counted_on_meta() -> None:
+    module = BuiltLater()
+    params, trainable, held = _counted(module, builds_later=True)
+    assert (params, trainable) == (1_001_000 + 22, 1_001_000 + 22)
+    assert held == {"cpu": 22 * 4}  # only the head exists on this rank
+    assert module.body is None  # the module itself was not built
