@@ -29,10 +29,17 @@ PUBLIC = {
     "Zero2Strategy": "lightning_zero.pytorch.strategy",
     "Zero3Strategy": "lightning_zero.pytorch.strategy",
     "ZeroStrategy": "lightning_zero.pytorch.strategy",
+    "ZeroAutoStrategy": "lightning_zero.pytorch.auto",
     "consolidate_checkpoint": "lightning_zero.consolidate",
     "whole_state_dict": "lightning_zero.consolidate",
 }
-FABRIC_PUBLIC = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy"]
+FABRIC_PUBLIC = {
+    **{
+        name: "lightning_zero.fabric.strategy"
+        for name in ("Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy")
+    },
+    "ZeroAutoStrategy": "lightning_zero.fabric.auto",
+}
 # each registered name: its stage and the options it sets
 NAMES = {
     "zero1": (1, {}),
@@ -40,8 +47,10 @@ NAMES = {
     "zero3": (3, {}),
     "zero2_offload": (2, {"offload_optimizer": True}),
     "zero3_offload": (3, {"offload_optimizer": True, "offload_parameters": True}),
-    "zero3_infinity": (3, {"offload_parameters": "disk", "offload_optimizer": "disk",
-                           "offload_dir": tempfile.gettempdir()}),
+    "zero3_infinity": (
+        3,
+        {"offload_parameters": "disk", "offload_optimizer": "disk", "offload_dir": tempfile.gettempdir()},
+    ),
 }
 # where each name puts the optimizer and the parameter shards (on the device where not named)
 PLACES = {
@@ -69,10 +78,10 @@ def test_public_names() -> None:
         value = getattr(lightning_zero, name)
         assert value is getattr(importlib.import_module(module), name) and value.__module__ == module, name
     assert lightning_zero.fabric is importlib.import_module("lightning_zero.fabric")
-    assert sorted(lightning_zero.fabric.__all__) == FABRIC_PUBLIC
-    for name in FABRIC_PUBLIC:
+    assert sorted(lightning_zero.fabric.__all__) == sorted(FABRIC_PUBLIC)
+    for name, module in FABRIC_PUBLIC.items():
         value = getattr(lightning_zero.fabric, name)
-        assert value.__module__ == "lightning_zero.fabric.strategy" and value.__qualname__ == name
+        assert value.__module__ == module and value.__qualname__ == name
         assert value is not getattr(lightning_zero, name)  # each front end has its own classes
 
 
@@ -201,8 +210,14 @@ def test_one_device_trains_plainly(strategy: str) -> None:
         pl.seed_everything(0)
         module = Classifier(optimizer="adamw_groups", scheduler="step", config_style="dict")
         trainer = pl.Trainer(
-            strategy=name, accelerator="cpu", devices=1, max_steps=5, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, gradient_clip_val=0.1,
+            strategy=name,
+            accelerator="cpu",
+            devices=1,
+            max_steps=5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            gradient_clip_val=0.1,
         )
         trainer.fit(module)
         results[name] = (module.state_dict(), trainer.optimizers[0])
@@ -227,8 +242,14 @@ def test_precision_options_are_checked(kwargs: dict[str, Any], message: str) -> 
 
 
 def test_master_weights_need_several_ranks() -> None:
-    trainer = pl.Trainer(strategy=Zero2Strategy(master_weights=True), accelerator="cpu", devices=1,
-                         precision="bf16-true", max_steps=1, logger=False)
+    trainer = pl.Trainer(
+        strategy=Zero2Strategy(master_weights=True),
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-true",
+        max_steps=1,
+        logger=False,
+    )
     with pytest.raises(ValueError, match=r"this run has one.*HINT: .*bf16-mixed"):
         trainer.fit(Classifier())
 
