@@ -62,9 +62,14 @@ class AutoChoosing:
     is_global_zero: bool
     _process_group_backend: str | None
 
-    def _keep_options(self, options: dict[str, Any], offload_dir: str | Path | None) -> None:
+    def _take_options(self, options: dict[str, Any], offload_dir: str | Path | None, **auto: Any) -> dict[str, Any]:
+        """Check and keep ``zero_auto``'s own options (``auto``: those of :meth:`AutoOptions.from_options`) and the
+        user's ZeRO options; returns the options the provisional ``ZeroStrategy`` is made with."""
+        self.auto_options = AutoOptions.from_options(**auto)
+        options = without_chosen_options(options)
         self._given = {name: value for name, value in options.items() if name in ZeroConfig.option_names()}
         self._offload_dir = None if offload_dir is None else Path(offload_dir)
+        return options
 
     def _get_process_group_backend(self) -> str:
         """On CUDA with offload allowed, a group that carries host tensors too: the choice comes after it exists."""

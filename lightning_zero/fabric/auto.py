@@ -13,9 +13,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero._auto.choice import DEFAULT_RESERVE, AutoOptions, optimizer_key
+from lightning_zero._auto.choice import DEFAULT_RESERVE, optimizer_key
 from lightning_zero._config import Stage
-from lightning_zero._core.auto import AutoChoosing, without_chosen_options
+from lightning_zero._core.auto import AutoChoosing
 from lightning_zero._core.front_end import register_auto
 from lightning_zero.fabric.strategy import ZeroStrategy
 
@@ -40,16 +40,16 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         offload_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
-        self.auto_options = AutoOptions.from_options(
+        options = self._take_options(
+            options,
+            offload_dir,
             max_stage=max_stage,
             offload=offload,
             activation_reserve=activation_reserve,
             optimizer=optimizer,
             memory_per_rank=memory_per_rank,
         )
-        options = without_chosen_options(options)
         super().__init__(Stage.PARAMETERS, **options)
-        self._keep_options(options, offload_dir)
 
     @classmethod
     @override

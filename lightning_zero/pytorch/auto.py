@@ -11,9 +11,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_zero._auto.choice import DEFAULT_RESERVE, AutoOptions, check_optimizer, optimizer_key
+from lightning_zero._auto.choice import DEFAULT_RESERVE, check_optimizer, optimizer_key
 from lightning_zero._config import Stage
-from lightning_zero._core.auto import AutoChoosing, without_chosen_options
+from lightning_zero._core.auto import AutoChoosing
 from lightning_zero._core.front_end import register_auto
 from lightning_zero._core.optimizers import unwrap
 from lightning_zero.pytorch.strategy import ZeroStrategy
@@ -53,16 +53,16 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         offload_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
-        self.auto_options = AutoOptions.from_options(
+        options = self._take_options(
+            options,
+            offload_dir,
             max_stage=max_stage,
             offload=offload,
             activation_reserve=activation_reserve,
             optimizer=optimizer,
             memory_per_rank=memory_per_rank,
         )
-        options = without_chosen_options(options)
         super().__init__(Stage.PARAMETERS, **options)
-        self._keep_options(options, offload_dir)
 
     @classmethod
     @override
