@@ -43,9 +43,9 @@ class ZeroConfig:
     """1 shards optimizer state; 2 also gradients; 3 also parameters."""
 
     bucket_cap_mb: float = 25.0
-    """Size of the buckets in which gradients are reduced and parameters gathered, in MiB (stages 1 and 2). Larger
-    buckets mean fewer collective calls; smaller ones start communication earlier in backward and bound stage 2's
-    staging memory."""
+    """Size of the buckets in which gradients are reduced and parameters gathered, in MiB (stages 1 and 2; in stage 3,
+    consecutive units whose gradients fit in it together are reduced in one collective). Larger buckets mean fewer
+    collective calls; smaller ones start communication earlier in backward and bound the staging memory."""
 
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics) from rank 0 before each synchronised training step, as DDP

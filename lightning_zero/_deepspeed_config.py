@@ -87,11 +87,14 @@ class _Reader:
                 "zero_optimization.stage", f"is {stage!r}, which shards nothing", 'use `strategy="ddp"`, or stage 1-3'
             )
         options: dict[str, Any] = {"stage": stage}
-        buckets = [zero.pop(k) for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zero]
-        if buckets and stage < 3:
-            options["bucket_elements"] = max(buckets)  # in MiB once the element size is known (see top)
-        elif buckets:
-            self.ignored.append("zero_optimization.reduce_bucket_size/allgather_bucket_size (stage 3 has no buckets)")
+        # in MiB once the element size is known (see top); stage 3 gathers a unit at a time, and buckets only the
+        # gradient reduction of small units
+        buckets = {k: zero.pop(k) for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zero}
+        if stage == 3 and "allgather_bucket_size" in buckets:
+            self.ignored.append("zero_optimization.allgather_bucket_size (stage 3 gathers a unit at a time)")
+            del buckets["allgather_bucket_size"]
+        if buckets:
+            options["bucket_elements"] = max(buckets.values())
         if zero.pop("cpu_offload", False):
             options["offload_optimizer"] = "cpu"
         self.offload_optimizer(_given(zero.pop("offload_optimizer", {})), options)

@@ -133,11 +133,16 @@ class _SkipsInsideUnits(Classifier):
         return logits
 
 
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-6], ids=["units-share-a-bucket", "a-bucket-per-unit"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_parameter_without_a_gradient_inside_a_unit(stage: int) -> None:
+def test_a_parameter_without_a_gradient_inside_a_unit(stage: int, bucket_cap_mb: float) -> None:
+    """Also with stage 3's two units reduced together (their gradients fit in one bucket) and apart."""
     reference = train("cpu", "ddp_find_unused_parameters_true", module=_SkipsInsideUnits)
-    trainer = train("cpu", sharded(stage), module=_SkipsInsideUnits)
-    assert_same(trainer, reference, f"zero{stage}, a layer skipped on odd steps")
+    trainer = train("cpu", sharded(stage, bucket_cap_mb=bucket_cap_mb), module=_SkipsInsideUnits)
+    assert_same(trainer, reference, f"zero{stage}, a layer skipped on odd steps, {bucket_cap_mb} MiB buckets")
+    if stage == 3:  # the units' buckets, in the order backward reaches them
+        units = trainer.strategy.mode.engine.units[:-1]
+        assert [unit.bucket for unit in units] == ([1, 0] if bucket_cap_mb < 1 else [0, 0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

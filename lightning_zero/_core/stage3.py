@@ -87,7 +87,7 @@ class Stage3Mode(ParametersMode):
         if self.state is not LifeCycle.TRAINING:  # the first optimizers of this `fit`
             precision = engine.precision
             self._scaler = LossScaler(engine.group) if precision.loss_scaling or grad_scaler_taken else None
-            engine.reduce_gradients(precision.reduce_dtype, self._scaler)
+            engine.reduce_gradients(precision.reduce_dtype, self._scaler, self.config.bucket_bytes)
         shards = engine.by_param()
         wrapped: list[Optimizer] = []
         for optimizer in optimizers:

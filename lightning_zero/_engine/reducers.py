@@ -18,7 +18,7 @@ collectives, as DDP's ``find_unused_parameters=True`` does.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from enum import Enum, auto
 
 import torch
@@ -245,20 +245,23 @@ class GradientReducer:
             if bucket.num_staged == len(bucket.params) and bucket.position == self._next_launch:
                 self._launch_ready_buckets()
 
-    def accumulated(self, position: int) -> None:
-        """Every gradient of the bucket at ``position`` (staged whole) is accumulated for this backward: they are
-        staged together, a parameter without one as absent, and the bucket launches in its turn."""
+    def accumulated(self, position: int, indices: Sequence[int] | None = None) -> None:
+        """Every gradient of the parameters at ``indices`` of the bucket at ``position`` (staged whole; all of its
+        parameters by default) is accumulated for this backward: they are staged together, a parameter without one
+        as absent, and the bucket launches in its turn once all of its parameters are staged."""
         bucket = self.buckets[position]
         if self.mode is ReduceMode.LOCAL and self.honours_local_accumulation:
             return
         self.backward_started()
-        present = [i for i, s in enumerate(bucket.params) if s.param.grad is not None]
+        fresh = [i for i in (range(len(bucket.params)) if indices is None else indices) if not bucket.staged[i]]
+        present = [i for i in fresh if bucket.params[i].param.grad is not None]
         self._stage_together(bucket, present)
-        for index in sorted(set(range(len(bucket.params))) - set(present)):
+        for index in sorted(set(fresh) - set(present)):
             self._stage_absent(bucket, index)
             bucket.missing.append(index)
-        bucket.staged = [True] * len(bucket.params)
-        bucket.num_staged = len(bucket.params)
+        for index in fresh:
+            bucket.staged[index] = True
+        bucket.num_staged += len(fresh)
         bucket.state = BucketState.FILLING
         self._launch_ready_buckets()
 

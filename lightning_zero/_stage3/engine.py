@@ -1,6 +1,6 @@
 """Stage 3 on the package's engine: the module holds only this rank's rows of each parameter; a unit is gathered for
 its forward and again for its backward, and released after each; gradients are reduce-scattered by the stage-2
-reducer, a bucket per unit.
+reducer, a bucket per unit or per run of small consecutive units.
 
 The hooks, per unit (see :mod:`.units` for the words):
 
@@ -10,10 +10,10 @@ The hooks, per unit (see :mod:`.units` for the words):
   hook on its outputs gathers it again when backward reaches them, its modules holding the whole parameters until
   it is released. The root stays gathered through the step: a step runs
   as the root's forward (:meth:`Stage3Engine.run_as_forward`), whatever it calls;
-- in backward: each parameter's gradient is staged into its unit's bucket as it is accumulated, and the bucket is
-  reduce-scattered once complete (:class:`~lightning_zero._engine.reducers.ReduceScatterReducer`); when the backward
-  of the unit's inputs is done it is released; at the end of backward every unit still gathered (the root, units
-  whose inputs needed no gradient) is.
+- in backward: when the backward of the unit's inputs is done, its gradients are staged into its bucket together,
+  and the bucket is reduce-scattered once every unit sharing it is done
+  (:class:`~lightning_zero._engine.reducers.ReduceScatterReducer`), and the unit is released; at the end of backward
+  every unit still gathered (the root, units whose inputs needed no gradient) is.
 
 Recomputed forwards (activation checkpointing) run during backward: they gather where needed and release nothing,
 the backward that follows them does. A unit's modules hold the whole parameters from its gather to its release, at
@@ -131,24 +131,38 @@ class Stage3Engine:
         held.update({id(s.param): s for s in self.replicated_sharded})
         return held
 
-    def reduce_gradients(self, reduce_dtype: torch.dtype | None, scaler: LossScaler | None) -> ReduceScatterReducer:
-        """Start reducing the gradients of the parameters trained now: a bucket per unit, in the order backward
-        reaches them (the root, gathered first in forward, last), then the replicated ones."""
+    def reduce_gradients(
+        self, reduce_dtype: torch.dtype | None, scaler: LossScaler | None, bucket_bytes: int
+    ) -> ReduceScatterReducer:
+        """Start reducing the gradients of the parameters trained now, in the order backward reaches the units (the
+        root, gathered first in forward, last), then the replicated ones. Consecutive units share a bucket while
+        their gradients, in the dtype they are reduced in, fit in ``bucket_bytes`` together: small units then meet
+        their peers once for several (a unit larger than that has a bucket of its own)."""
         if self.reducer is None:
             buckets: list[list[ShardedParam]] = []
+            fill = 0  # bytes in the last bucket of units
             for unit in reversed(self.units[:-1]):  # staged whole as each unit's backward ends
                 trained = [s for s in unit.sharded if s.param.requires_grad]
-                unit.bucket = len(buckets) if trained else None
-                if trained:
-                    buckets.append(trained)
+                unit.bucket, unit.bucket_indices = None, range(0)
+                if not trained:
+                    continue
+                size = sum(s.spec.padded_numel * (reduce_dtype or s.param.dtype).itemsize for s in trained)
+                joins = fill > 0 and fill + size <= bucket_bytes and _one_dtype(buckets[-1] + trained, reduce_dtype)
+                if not joins:
+                    buckets.append([])
+                    fill = 0
+                unit.bucket = len(buckets) - 1
+                unit.bucket_indices = range(len(buckets[-1]), len(buckets[-1]) + len(trained))
+                buckets[-1].extend(trained)
+                fill += size
             whole = range(len(buckets))
             for rest in (self.root.sharded, self.replicated_sharded):  # staged gradient by gradient
                 trained = [s for s in rest if s.param.requires_grad]
                 if trained:
                     buckets.append(trained)
             self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler, whole=whole)
-            for unit in self.units[:-1]:
-                if unit.bucket is not None:
+            for unit in self.units[:-1]:  # a bucket's collective is named after the first unit backward reaches
+                if unit.bucket is not None and unit.bucket_indices.start == 0:
                     self.reducer.buckets[unit.bucket].label = labels.unit_reduce(self._kind, unit.path)
         return self.reducer
 
@@ -213,7 +227,7 @@ class Stage3Engine:
             """The backward of the unit's inputs is done: its gradients are all accumulated, unless it ran more than
             one forward in this step (the others' backward may still add to them: the end of backward stages them)."""
             if self.reducer is not None and unit.bucket is not None and unit.forwards == 1:
-                self.reducer.accumulated(unit.bucket)
+                self.reducer.accumulated(unit.bucket, unit.bucket_indices)
             unit.release()
 
         return done
@@ -268,6 +282,11 @@ def _kept_dtypes(master: torch.dtype | None) -> dict[torch.dtype, torch.dtype]:
     if master is None:
         return {}
     return {dtype: master for dtype in (torch.float16, torch.bfloat16) if dtype != master}
+
+
+def _one_dtype(params: list[ShardedParam], reduce_dtype: torch.dtype | None) -> bool:
+    """Whether ``params`` reduce in one dtype: ``reduce_dtype``, else their own."""
+    return reduce_dtype is not None or len({s.param.dtype for s in params}) == 1
 
 
 def _tensors_needing_grad(value: Any) -> list[torch.Tensor]:

@@ -150,6 +150,7 @@ class Unit:
         self.state = UnitState.RELEASED
         self.forwards = 0  # forwards with gradients in this step (until its backward ends)
         self.bucket: int | None = None  # the reducer's bucket of its trained parameters, staged whole
+        self.bucket_indices = range(0)  # where they are in that bucket (units may share one)
 
     @property
     def sharded(self) -> list[ShardedParam]:

@@ -67,7 +67,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
 
     Args:
         stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
-        bucket_cap_mb: size in MiB of the buckets gradients are reduced and parameters gathered in (stages 1, 2).
+        bucket_cap_mb: size in MiB of the buckets gradients are reduced and parameters gathered in (stages 1, 2;
+            stage 3 reduces consecutive units' gradients together up to it).
         broadcast_buffers: broadcast buffers from rank 0 before each synchronised training step, as DDP does.
         auto_wrap_policy: stage 3, which submodules become units: by default the entries of an ``nn.ModuleList`` or
             ``nn.Sequential`` whose class repeats; or a set of module classes (or import paths), an int parameter
