@@ -47,6 +47,11 @@ class ZeroConfig:
     consecutive units whose gradients fit in it together are reduced in one collective). Larger buckets mean fewer
     collective calls; smaller ones start communication earlier in backward and bound the staging memory."""
 
+    keep_for_backward_mb: float = 25.0
+    """Stage 3 (not offloaded): MiB of gathered parameters kept from their forward to their backward instead of
+    gathered again: those of the last units to run, whose backward comes first, while they fit together (learnt from
+    the step before). ``0`` gathers every unit twice a step, as ``fully_shard`` does."""
+
     broadcast_buffers: bool = True
     """Broadcast module buffers (BatchNorm statistics) from rank 0 before each synchronised training step, as DDP
     does by default, so every rank trains on the same buffer values."""
@@ -183,12 +188,16 @@ class ZeroConfig:
                 f"`stage={stage!r}` is not a ZeRO stage this strategy runs. HINT: pass `stage` as one of {valid}."
             )
         bucket_cap_mb = given["bucket_cap_mb"]
-        numeric = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-        # NaN and infinity would fail in `fit`, converted to a byte count (NaN lies in no interval)
-        if not numeric or not 0 < bucket_cap_mb < math.inf:  # type: ignore[operator]
+        if not _finite_number(bucket_cap_mb) or bucket_cap_mb <= 0:  # type: ignore[operator]
             raise ValueError(
                 f"`bucket_cap_mb={bucket_cap_mb!r}` must be a finite, positive number of MiB. HINT: the default, 25,"
                 " suits most models."
+            )
+        keep_mb = given["keep_for_backward_mb"]
+        if not _finite_number(keep_mb) or keep_mb < 0:  # type: ignore[operator]
+            raise ValueError(
+                f"`keep_for_backward_mb={keep_mb!r}` must be a finite number of MiB, 0 or more. HINT: the default, 25,"
+                " saves small units' second gather; 0 gathers every unit again for its backward."
             )
         if not isinstance(given["memory_report"], bool):
             raise ValueError(
@@ -252,6 +261,7 @@ class ZeroConfig:
             **{name: given[name] for name in (*_SWITCHES, "memory_report")},
             stage=Stage(stage),
             bucket_cap_mb=float(bucket_cap_mb),
+            keep_for_backward_mb=float(keep_mb),
             auto_wrap_policy=wrap,
             activation_checkpointing=checkpointing,
             reduce_dtype=dtype,
@@ -282,6 +292,15 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
+
+    @property
+    def keep_for_backward_bytes(self) -> int:
+        return int(self.keep_for_backward_mb * 1024 * 1024)
+
+
+def _finite_number(value: object) -> bool:
+    """An int or float, not a bool, neither NaN nor infinite (either would fail in ``fit``, made a byte count)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # options whose field differs from what a user gives

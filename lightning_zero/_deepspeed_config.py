@@ -54,8 +54,10 @@ def deepspeed_options(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
     given.setdefault("gradient_clipping", _DEFAULT_CLIPPING)
     for key, value in given.items():
         reader.top(key, value, options)
-    if "bucket_elements" in options:  # DeepSpeed counts elements of the module's dtype; this package MiB
-        options["bucket_cap_mb"] = options.pop("bucket_elements") * reader.element_bytes / 2**20
+    # DeepSpeed counts elements of the module's dtype; this package MiB
+    for elements, mib in (("bucket_elements", "bucket_cap_mb"), ("reuse_elements", "keep_for_backward_mb")):
+        if elements in options:
+            options[mib] = options.pop(elements) * reader.element_bytes / 2**20
     reader.warn()
     return options
 
@@ -99,6 +101,8 @@ class _Reader:
             options["offload_optimizer"] = "cpu"
         self.offload_optimizer(_given(zero.pop("offload_optimizer", {})), options)
         self.offload_param(_given(zero.pop("offload_param", {})), options)
+        if stage == 3 and "stage3_max_reuse_distance" in zero:  # parameters kept from forward to backward
+            options["reuse_elements"] = zero.pop("stage3_max_reuse_distance")
         hpz = zero.pop("zero_hpz_partition_size", 1)
         if hpz != 1:
             options["shard_group_size"] = hpz

@@ -66,11 +66,13 @@ def test_buckets_nvme_and_reduce_dtype_from_a_json_file(tmp_path: Path) -> None:
     assert config.reduce_dtype == torch.float32
 
 
-def test_stage_3_buckets_its_gradient_reduction_only() -> None:
-    zero = {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8}
+def test_stage_3_buckets_its_gradient_reduction_and_keeps_parameters_for_reuse() -> None:
+    zero = {"stage": 3, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8, "stage3_max_reuse_distance": 1e6}
     with pytest.warns(UserWarning, match=r"allgather_bucket_size \(stage 3 gathers a unit at a time\)"):
         strategy = FabricZeroStrategy.from_deepspeed_config({"zero_optimization": zero, "gradient_clipping": 0})
-    assert strategy.config.stage is Stage.PARAMETERS and strategy.config.bucket_cap_mb == 5e7 * 4 / 2**20
+    config = strategy.config
+    assert config.stage is Stage.PARAMETERS and config.bucket_cap_mb == 5e7 * 4 / 2**20
+    assert config.keep_for_backward_mb == 1e6 * 4 / 2**20
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ ZeRO mixed-precision runs (bf16 module, fp32 masters) are held to fp32 DDP withi
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
 from lightning_zero._core import EngineMode, Stage3Mode
+from lightning_zero._stage3.units import Unit, UnitState
 from tests.oracle import MASTER_WEIGHTS, Tolerance, close
 from tests.workers.modules import Classifier
 
@@ -143,6 +145,32 @@ def test_a_parameter_without_a_gradient_inside_a_unit(stage: int, bucket_cap_mb:
     if stage == 3:  # the units' buckets, in the order backward reaches them
         units = trainer.strategy.mode.engine.units[:-1]
         assert [unit.bucket for unit in units] == ([1, 0] if bucket_cap_mb < 1 else [0, 0])
+
+
+@pytest.mark.parametrize("keep_mb", [0.0, 25.0])
+def test_units_kept_from_forward_to_backward(keep_mb: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room, the last units to run (learnt from the step before) are not gathered again for their backward: over
+    6 steps each block is gathered twice in the first and once in each other; without, twice in every step. The
+    numbers are DDP's either way (a layer inside them skipped on odd steps)."""
+    gathers: Counter[str] = Counter()
+    gather = Unit.gather
+
+    def counted(unit: Unit, *args: Any) -> None:
+        if unit.state is UnitState.RELEASED:
+            gathers[unit.path] += 1
+        gather(unit, *args)
+
+    class CountTraining(pl.Callback):
+        def on_train_start(self, *_: Any) -> None:  # not the sanity check's evaluation
+            gathers.clear()
+
+    monkeypatch.setattr(Unit, "gather", counted)
+    reference = train("cpu", "ddp_find_unused_parameters_true", module=_SkipsInsideUnits)
+    strategy = sharded(3, keep_for_backward_mb=keep_mb)
+    trainer = train("cpu", strategy, module=_SkipsInsideUnits, callbacks=[CountTraining()])
+    assert_same(trainer, reference, f"zero3 keeping {keep_mb} MiB for backward")
+    expected = 2 + 5 * (1 if keep_mb else 2)
+    assert {path: gathers[path] for path in ("blocks.0", "blocks.1")} == {"blocks.0": expected, "blocks.1": expected}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -155,6 +155,13 @@ def test_bucket_size_must_be_finite(value: float) -> None:
         ZeroStrategy(bucket_cap_mb=value)
 
 
+@pytest.mark.parametrize("value", [-1, -0.5, float("nan"), float("inf"), "big", None, True])
+def test_kept_for_backward_must_be_a_finite_number_of_mib(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"`keep_for_backward_mb=.*` must be a finite number of MiB, 0 or more. HINT"):
+        ZeroStrategy(keep_for_backward_mb=value)
+    assert ZeroStrategy(keep_for_backward_mb=0).config.keep_for_backward_bytes == 0
+
+
 def test_offload_dir_that_is_a_file_is_named_a_file(tmp_path: Path) -> None:
     a_file = tmp_path / "state.bin"
     a_file.write_text("")

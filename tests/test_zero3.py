@@ -152,12 +152,13 @@ def test_matches_reference(results: list[dict[Any, Any]], name: str, strategy: s
 def test_units_are_gathered_in_the_shared_ring(results: list[dict[Any, Any]]) -> None:
     """On one host the ranks write their rows of a unit into one shared buffer of the gather ring, which each reads in
     place (no copy into and out of the channel's slots): the ring is sized for the largest unit but the root, so every
-    block's gather, in each forward and backward, is one."""
+    block's gather is one: at least one per block in each forward (the blocks kept for their backward are not gathered
+    again)."""
     for rank, per_rank in enumerate(results):
         run = per_rank[("tied_lm_clip_accumulate", "zero3")]
         steps, micro_batches = 3, 2
         units = len(TiedLM().blocks)
-        assert run["ring_handouts"] >= steps * micro_batches * 2 * units, f"rank{rank}: {run['ring_handouts']}"
+        assert run["ring_handouts"] >= steps * micro_batches * units, f"rank{rank}: {run['ring_handouts']}"
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ class Stage3Mode(ParametersMode):
         # decided on the module as built (the shards of 16-bit parameters are then the fp32 masters)
         precision = EnginePrecision.of(self.config, module, replaces_grad_scaler=False)
         units = choose_units(module, self.config.auto_wrap_policy)
-        self.engine = Stage3Engine(module, units, mesh, self.device, precision)
+        keep = self.config.keep_for_backward_bytes
+        self.engine = Stage3Engine(module, units, mesh, self.device, precision, keep)
         for owner in module.modules():
             if any(isinstance(p, DTensor) for p in owner._parameters.values()):
                 owner.register_load_state_dict_pre_hook(self._whole_tensors_as_rows)

@@ -79,8 +79,10 @@ class Stage3Engine:
         mesh: DataParallelMesh,
         device: torch.device,
         precision: EnginePrecision | None = None,
+        keep_for_backward: int = 0,
     ) -> None:
         self.mesh = mesh
+        self.keep_for_backward = keep_for_backward  # bytes of whole parameters kept from forward to backward
         self.precision = precision or EnginePrecision()
         store_dtype = _kept_dtypes(self.precision.master_dtype)
         self.group = mesh.shard_group
@@ -108,6 +110,8 @@ class Stage3Engine:
         self.phase = Phase.IDLE
         self.reducer: ReduceScatterReducer | None = None  # with the optimizers
         self._forwards = 0  # forwards of the whole module under way
+        self._ran: list[Unit] = []  # units whose forward with gradients ended in this step, in order
+        self._kept: set[Unit] = set()  # units kept gathered from their forward to their backward in this step
         self._channel = shared_memory.channel(self.group) if self.group.size() > 1 else None
         if self._channel is not None:  # a unit's ranks then write their rows into one shared buffer, read in place
             # the root, gathered once a step, larger than every unit (embeddings, a head), goes through the slots
@@ -200,11 +204,18 @@ class Stage3Engine:
                     return
             if self.phase is Phase.BACKWARD:  # a recomputation: its backward comes next, gathered
                 return
-            if torch.is_grad_enabled():
+            training = torch.is_grad_enabled()
+            if training:
                 _before_backward_of(output, self._backward_reaches(unit))
             if unit is self.root:
                 unit.hold_shards()
                 self._end_of_forward()
+            elif training:
+                self._ran.append(unit)
+                if unit in self._kept:  # its backward comes soon: kept whole, its modules holding the shards
+                    unit.hold_shards()
+                else:
+                    unit.release()
             else:
                 unit.release()
 
@@ -233,7 +244,17 @@ class Stage3Engine:
         return done
 
     def _end_of_forward(self) -> None:
-        """Every rank meets the others at the end of the outermost forward of the whole module."""
+        """Every rank meets the others at the end of the outermost forward of the whole module. The units the next
+        step keeps for backward are chosen: the last to run in this one, whose backward comes first, while their whole
+        parameters fit in ``keep_for_backward`` together."""
+        if self._ran:  # a forward with gradients (an evaluation's leaves the choice as it was)
+            self._kept, room = set(), self.keep_for_backward
+            for unit in reversed(self._ran):
+                room -= unit.whole_bytes
+                if room < 0:
+                    break
+                self._kept.add(unit)
+            self._ran = []
         activity.entered(labels.END_OF_FORWARD)
         if self._channel is not None:
             self._channel.meet(labels.END_OF_FORWARD)

@@ -64,7 +64,7 @@ class Part:
         for spec in self.specs:
             self._whole_offsets.append(self._whole_offsets[-1] + spec.padded_rows * spec.row_numel)
         self._whole: torch.Tensor | None = None
-        self._whole_bytes = self._whole_offsets[-1] * self.dtype.itemsize
+        self.whole_bytes = self._whole_offsets[-1] * self.dtype.itemsize
         self._sizes = [spec.padded_numel for spec in self.specs]
         self._outs: list[torch.Tensor] = []  # where a gather lays each parameter out (see ``take``)
         self._outs_flat = torch.empty(0)  # all of them, 1D
@@ -110,7 +110,7 @@ class Part:
             return
         storage = self._whole.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self._whole_bytes)
+            storage.resize_(self.whole_bytes)
 
     def free(self) -> None:
         if self._whole is not None:
@@ -168,6 +168,11 @@ class Unit:
             if whole.requires_grad != shard.requires_grad:
                 whole.requires_grad_(shard.requires_grad)
             params[name] = whole
+
+    @property
+    def whole_bytes(self) -> int:
+        """The bytes its whole parameters take while gathered."""
+        return sum(part.whole_bytes for part in self.parts)
 
     @property
     def gathered_bytes(self) -> int:

@@ -55,9 +55,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
     Args:
         stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
         options: the ZeRO options, as for the Trainer's ``lightning_zero.ZeroStrategy``: ``bucket_cap_mb``,
-            ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``, ``master_weights``,
-            ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``, ``max_in_cpu``,
-            ``prefetch_units``, ``page_cache``, ``pin_memory``, ``memory_report``, ``shard_group_size``,
+            ``keep_for_backward_mb``, ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``,
+            ``master_weights``, ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``,
+            ``max_in_cpu``, ``prefetch_units``, ``page_cache``, ``pin_memory``, ``memory_report``, ``shard_group_size``,
             ``state_dict_type``, ``sharded_on_one_device``, ``stall_after``.
         deepspeed_config: a DeepSpeed config (JSON file path or dict) setting the options it maps to; see
             :meth:`from_deepspeed_config`.

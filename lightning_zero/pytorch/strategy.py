@@ -69,6 +69,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         stage: 1, 2 or 3. ``Zero1Strategy``, ``Zero2Strategy`` and ``Zero3Strategy`` fix it.
         bucket_cap_mb: size in MiB of the buckets gradients are reduced and parameters gathered in (stages 1, 2;
             stage 3 reduces consecutive units' gradients together up to it).
+        keep_for_backward_mb: stage 3 (not offloaded), MiB of the last units' gathered parameters kept from their
+            forward to their backward instead of gathered again; 0 gathers every unit twice a step.
         broadcast_buffers: broadcast buffers from rank 0 before each synchronised training step, as DDP does.
         auto_wrap_policy: stage 3, which submodules become units: by default the entries of an ``nn.ModuleList`` or
             ``nn.Sequential`` whose class repeats; or a set of module classes (or import paths), an int parameter
@@ -129,6 +131,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         stage: int | None = None,
         *,
         bucket_cap_mb: float = 25.0,
+        keep_for_backward_mb: float = 25.0,
         broadcast_buffers: bool = True,
         auto_wrap_policy: ModuleOption = None,
         activation_checkpointing: bool | ModuleOption = None,
@@ -164,6 +167,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             peer="DDPStrategy",
             stage=stage,
             bucket_cap_mb=bucket_cap_mb,
+            keep_for_backward_mb=keep_for_backward_mb,
             broadcast_buffers=broadcast_buffers,
             auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing=activation_checkpointing,
