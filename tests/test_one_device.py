@@ -135,8 +135,10 @@ class _SkipsInsideUnits(Classifier):
         return logits
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-6], ids=["units-share-a-bucket", "a-bucket-per-unit"])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(
+    ("stage", "bucket_cap_mb"),
+    [(1, 25.0), (2, 25.0), pytest.param(3, 25.0, id="3-units-share-a-bucket"), pytest.param(3, 1e-6, id="3-apart")],
+)
 def test_a_parameter_without_a_gradient_inside_a_unit(stage: int, bucket_cap_mb: float) -> None:
     """Also with stage 3's two units reduced together (their gradients fit in one bucket) and apart."""
     reference = train("cpu", "ddp_find_unused_parameters_true", module=_SkipsInsideUnits)
