@@ -3,11 +3,12 @@
 A matrix of model sizes and memory limits; in each cell every candidate (``zero1`` ... ``zero3_infinity``) and
 ``zero_auto`` train the same MLP for a few steps in a memory group of their own limited to the cell's limit (page
 cache included, as a cluster's job limit counts it). A row per cell says whether ``zero_auto`` trained, what it
-picked, which candidates trained and which of them was the fastest (mean seconds per step after the first), and whether
-the pick was that one. A candidate that failed under a limit is not run again for a larger model under it: it would
-fail again (its state only grows).
+picked, which candidates trained and which of them was the fastest (median seconds per step after the first two),
+whether the pick was that one, and the pick's seconds per step over the fastest's (the runs' spread on a shared
+machine is a tenth or more, so a pick within it is as fast as can be told). A candidate that failed under a limit is
+not run again for a larger model under it: it would fail again (its state only grows).
 
-``python benchmarks/bench_auto.py`` (root); ``--layers`` and ``--limits`` change the matrix.
+``python -m benchmarks.bench_auto`` (root); ``--layers`` and ``--limits`` change the matrix.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     trainer.fit(Stack(args.layers[0]))
     chosen = trainer.strategy.auto_choice.name if args.way == "zero_auto" else args.way
-    save_rank_results(args.out_dir, trainer.global_rank, {"step": statistics.mean(times.times[1:]), "chosen": chosen})
+    steady = times.times[2:] or times.times[-1:]  # the first steps build buffers and state
+    save_rank_results(args.out_dir, trainer.global_rank, {"step": statistics.median(steady), "chosen": chosen})
 
 
 def run(way: str, layers: int, limit: float, steps: int) -> dict[str, Any] | str:
@@ -116,7 +118,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 24, 64], help="model sizes, in layers of ~1 M")
     parser.add_argument("--limits", type=float, nargs="+", default=[1.25, 1.75, 2.5], help="memory limits (GiB)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -126,8 +128,8 @@ def main() -> None:
         sys.exit(f"bench_auto needs memory groups: {reason}")
     lines = [
         "| model (M params, fp32 Adam state) | limit (GiB) | zero_auto | picked | trained (s/step) | fastest |"
-        " pick fastest |",
-        "|---|---|---|---|---|---|---|",
+        " pick fastest | pick / fastest |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for limit in args.limits:
         failed: set[str] = set()
@@ -140,10 +142,11 @@ def main() -> None:
             fastest = min(trained, key=trained.__getitem__) if trained else "-"
             picked = auto["chosen"] if isinstance(auto, dict) else "-"
             listed = ", ".join(f"{way} {seconds:.2f}" for way, seconds in trained.items()) or "none"
+            ratio = f"{trained[picked] / trained[fastest]:.2f}" if picked in trained else "-"
             lines.append(
                 f"| {params / 1e6:.0f} ({16 * params / GIB:.2f} GiB) | {limit} |"
                 f" {'trained' if isinstance(auto, dict) else auto} | {picked} | {listed} | {fastest} |"
-                f" {'-' if not trained else 'yes' if picked == fastest else 'no'} |"
+                f" {'-' if not trained else 'yes' if picked == fastest else 'no'} | {ratio} |"
             )
             print(lines[-1], flush=True)
     print(f"\n{os.uname().nodename}, {os.cpu_count()} CPUs, torch {torch.__version__}, lightning {pl.__version__}")

@@ -4,6 +4,8 @@ The 2-rank parity with the strategy named by hand is tests/test_auto_parity.py."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
@@ -13,9 +15,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero._auto.budget import Budget
-from lightning_zero._auto.candidates import Workload, needs
-from lightning_zero._auto.choice import AutoChoiceError, AutoOptions, Verdict, check_optimizer, decide
-from lightning_zero._core.auto import _counted
+from lightning_zero._auto.candidates import Candidate, Working, Workload, needs
+from lightning_zero._auto.choice import (
+    RESERVE_FLOOR,
+    AutoChoiceError,
+    AutoOptions,
+    Verdict,
+    check_optimizer,
+    decide,
+)
+from lightning_zero._config import ZeroConfig
+from lightning_zero._core.auto import _counted, _parameters, _working
 from tests.workers.modules import Classifier
 
 MILLION = 1_000_000
@@ -63,6 +73,14 @@ def test_the_first_candidate_that_fits_is_chosen(budget: Budget, expected: str) 
     verdicts = [row.verdict for row in choice.rows]
     assert verdicts.count(Verdict.CHOSEN) == 1
     assert all(v not in (Verdict.FITS, Verdict.CHOSEN) for v in verdicts[: verdicts.index(Verdict.CHOSEN)])
+
+
+def test_the_default_reserve_is_a_quarter_and_at_least_the_floor() -> None:
+    default = AutoOptions.from_options()
+    assert default.reserve_of(4 * RESERVE_FLOOR) == RESERVE_FLOOR  # a quarter
+    assert default.reserve_of(8 * RESERVE_FLOOR) == 2 * RESERVE_FLOOR
+    assert default.reserve_of(2 * RESERVE_FLOOR) == RESERVE_FLOOR  # the floor, not half as much
+    assert AutoOptions.from_options(activation_reserve=0.25).reserve_of(2 * RESERVE_FLOOR) == RESERVE_FLOOR // 2
 
 
 def test_the_reserve_is_kept_out_of_the_budget() -> None:
@@ -172,7 +190,50 @@ class BuiltLater(LightningModule):
 
 def test_a_configure_model_module_is_counted_on_meta() -> None:
     module = BuiltLater()
-    params, trainable, held = _counted(module, builds_later=True)
-    assert (params, trainable) == (1_001_000 + 22, 1_001_000 + 22)
+    counted, held = _counted(module, builds_later=True)
+    assert _parameters(counted) == (1_001_000 + 22, 1_001_000 + 22)
     assert held == {"cpu": 22 * 4}  # only the head exists on this rank
     assert module.body is None  # the module itself was not built
+
+
+class Blocks(torch.nn.Module):
+    """A root of 1,000 + 10 parameters and three repeated blocks (stage 3's units) of 10,100 each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(10, 100, bias=False)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(100, 100) for _ in range(3))
+        self.head = torch.nn.Linear(100, 10, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(10))
+
+
+def test_the_working_buffers_follow_the_units_and_buckets() -> None:
+    """Beside the model state: one fp32 temporary per stepped element, two buckets, and in stage 3 the gathered root
+    and units (the running one and those kept, zero3_offload's prefetched one, ZeRO-Infinity's read ahead) with the
+    gather ring on a host of several ranks."""
+    config = ZeroConfig.from_options(stage=3, bucket_cap_mb=1 / 1024, keep_for_backward_mb=10 / 1024)
+    working = _working(Blocks(), config)
+    assert working == Working(largest_unit=10_100, root_params=2_010, bucket_bytes=1024, keep_bytes=10 * 1024)
+    params = 3 * 10_100 + 2_010
+    workload = Workload(params, params, "32-true", False, "adam", num_ranks=2, working=working)
+    stepped, staging, unit, root = 4 * params // 2, 2 * 1024, 4 * 10_100, 4 * 2_010
+    ring = 3 * unit
+    by_name = {c.label: n.working for c, n in needs(workload).items()}
+    assert by_name == {
+        "zero1": stepped + staging,
+        "zero2": stepped + staging,
+        "zero2_offload": stepped + staging,
+        "zero3": stepped + staging + root + unit + 10 * 1024 + ring,
+        "zero3_offload": stepped + staging + root + 2 * unit + ring,
+        "zero3_infinity": 4 * 10_100 // 2 + staging + root + 4 * unit + ring,
+    }
+    one_rank = replace(workload, num_ranks=1)
+    assert needs(one_rank)[Candidate.ZERO3].working == 4 * params + staging + root + unit + 10 * 1024  # no ring
+    keeps_all = replace(workload, working=replace(working, keep_bytes=2**30))  # no more than the units hold
+    assert needs(keeps_all)[Candidate.ZERO3].working == stepped + staging + root + unit + 4 * 3 * 10_100 + ring
+    # the working buffers count where the computation runs: they can make a candidate too large
+    state_only = replace(workload, working=None)
+    zero1 = needs(state_only)[Candidate.ZERO1].memory(on_cpu=True)
+    budget = cpu(zero1 + staging)
+    assert decide(state_only, budget, NO_RESERVE).name == "zero1"
+    assert decide(workload, budget, NO_RESERVE).name != "zero1"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from lightning_zero._config import Stage
 from lightning_zero._offload.target import OffloadTarget
-from lightning_zero.estimate import estimate
+from lightning_zero.estimate import estimate, parameter_bytes
+
+GATHER_RING = 3  # shared buffers, each the size of the largest unit, that stage 3 gathers into on one host
+STEP_TEMPORARIES = 4  # bytes per element the optimizer steps: one fp32 temporary (Adam's denominators)
 
 
 class Offload(Enum):
@@ -41,6 +45,18 @@ class Candidate(Enum):
 
 
 @dataclass(frozen=True)
+class Working:
+    """What sizes a step's working buffers beside the model state: stage 3's units (as the wrap policy picks them)
+    and the buckets."""
+
+    largest_unit: int  # parameters of the largest unit but the root
+    root_params: int  # parameters of the root unit's own, gathered through the step
+    bucket_bytes: int  # ``bucket_cap_mb``
+    keep_bytes: int  # ``keep_for_backward_mb``
+    prefetch_units: int = 2  # ZeRO-Infinity's units read ahead
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the model state's bytes follow, as :func:`lightning_zero.estimate.estimate` takes it."""
 
@@ -52,19 +68,21 @@ class Workload:
     num_ranks: int
     num_nodes: int = 1
     shard_group_size: int | None = None
+    working: Working | None = None  # ``None``: model state alone is weighed
 
 
 @dataclass(frozen=True)
 class Need:
-    """One rank's model-state bytes under a candidate, by where they live."""
+    """One rank's model-state bytes under a candidate, by where they live, and the step's working buffers."""
 
     device: int  # beside the computation: device memory on a GPU, the process's memory on the CPU
     host: int  # host memory apart from the computation's (offload)
     disk: int  # files under ``offload_dir``
+    working: int = 0  # beside the computation: buckets, gathered units, the optimizer step's temporaries
 
     def memory(self, on_cpu: bool) -> int:
         """The bytes the computation's memory holds: on the CPU host and device are the same memory."""
-        return self.device + self.host if on_cpu else self.device
+        return self.working + (self.device + self.host if on_cpu else self.device)
 
 
 def needs(workload: Workload) -> dict[Candidate, Need]:
@@ -85,7 +103,7 @@ def needs(workload: Workload) -> dict[Candidate, Need]:
     resident = estimate(workload.num_params, **common, disk=True)
     offloaded = estimate(workload.num_params, **common, offload=True)
     zero2_offload = offloaded["zero2"]
-    return {
+    state = {
         Candidate.ZERO1: Need(resident["zero1"].device_per_rank, 0, 0),
         Candidate.ZERO2: Need(resident["zero2"].device_per_rank, 0, 0),
         Candidate.ZERO3: Need(resident["zero3"].device_per_rank, 0, 0),
@@ -93,3 +111,31 @@ def needs(workload: Workload) -> dict[Candidate, Need]:
         Candidate.ZERO3_OFFLOAD: Need(0, offloaded["zero3"].per_rank.total, 0),
         Candidate.ZERO3_INFINITY: Need(0, 0, resident["zero3_infinity"].disk_per_rank),
     }
+    if workload.working is None:
+        return state
+    return {c: replace(need, working=working_bytes(c, workload, workload.working)) for c, need in state.items()}
+
+
+def working_bytes(candidate: Candidate, workload: Workload, sizes: Working) -> int:
+    """One rank's working buffers during a step under ``candidate``, beside its model state: the optimizer step's
+    temporaries (one fp32 element per element it steps: the whole shard at once, or ZeRO-Infinity's one unit), two
+    buckets of gradients being staged and reduced, and in stage 3 the root and the units gathered whole at once (the
+    one running, the next one prefetched, the ones kept for backward; ZeRO-Infinity's units read ahead) with the gather
+    ring's buffers on a host of several ranks."""
+    element = parameter_bytes(workload.precision)
+    shards = workload.shard_group_size or workload.num_ranks
+    staging = min(2 * sizes.bucket_bytes, workload.trainable_params * element)
+    unit, root = sizes.largest_unit * element, sizes.root_params * element
+    ring = GATHER_RING * unit if workload.num_ranks // workload.num_nodes > 1 else 0
+    stepped = math.ceil(workload.trainable_params / shards) * STEP_TEMPORARIES
+    match candidate:
+        case Candidate.ZERO1 | Candidate.ZERO2 | Candidate.ZERO2_OFFLOAD:
+            return stepped + staging
+        case Candidate.ZERO3:
+            kept = min(sizes.keep_bytes, (workload.num_params - sizes.root_params) * element)
+            return stepped + staging + root + unit + kept + ring
+        case Candidate.ZERO3_OFFLOAD:
+            return stepped + staging + root + 2 * unit + ring
+        case Candidate.ZERO3_INFINITY:
+            one_unit = math.ceil(sizes.largest_unit / shards) * STEP_TEMPORARIES
+            return one_unit + staging + root + (2 + sizes.prefetch_units) * unit + ring

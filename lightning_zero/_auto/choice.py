@@ -12,8 +12,13 @@ from lightning_zero._auto.candidates import Candidate, Need, Offload, Workload, 
 from lightning_zero.estimate import OPTIMIZER_STATES, format_bytes
 
 DEFAULT_RESERVE = 0.25
-"""The activation reserve by default: a quarter of each rank's memory for activations, buffers, communication
-buckets, stage 3's gathered units and the framework's own allocations."""
+"""The activation reserve by default: a quarter of each rank's memory for activations, module buffers and the
+framework's own allocations (each candidate's buckets, gathered units and step temporaries are counted with it)..."""
+
+RESERVE_FLOOR = 256 * 2**20
+"""...and at least this much: what a rank's memory group grew by beyond the estimate once training ran on 2 CPU ranks
+(the framework's allocations after set-up, its libraries' pages; about 216 MiB a rank for ``bench_auto``'s 67 M
+parameter MLP under stage 3)."""
 
 
 class AutoChoiceError(RuntimeError):
@@ -30,8 +35,9 @@ class AutoOptions:
     offload: Offload = Offload.DISK
     """How far model state may move off the device: not at all, into host memory, or into files too."""
 
-    activation_reserve: float | int = DEFAULT_RESERVE
-    """The part of each rank's memory kept out of the model state's reach: a fraction below 1, or bytes."""
+    activation_reserve: float | int | None = None
+    """The part of each rank's memory kept out of the model state's reach: a fraction below 1, or bytes; ``None``
+    (the default): ``DEFAULT_RESERVE`` of it, at least ``RESERVE_FLOOR``."""
 
     optimizer: str = "adam"
     """The optimizer the estimate assumes until the configured one is known (a key of ``OPTIMIZER_STATES``)."""
@@ -45,7 +51,7 @@ class AutoOptions:
         *,
         max_stage: object = 3,
         offload: object = True,
-        activation_reserve: object = DEFAULT_RESERVE,
+        activation_reserve: object = None,
         optimizer: object = "adam",
         memory_per_rank: object = None,
     ) -> AutoOptions:
@@ -68,12 +74,14 @@ class AutoOptions:
                     ' host memory or files), "cpu" (host memory, no files) or False (no offload).'
                 )
         if isinstance(activation_reserve, bool) or not (
-            (isinstance(activation_reserve, float) and 0 <= activation_reserve < 1)
+            activation_reserve is None
+            or (isinstance(activation_reserve, float) and 0 <= activation_reserve < 1)
             or (isinstance(activation_reserve, int) and activation_reserve >= 0)
         ):
             raise ValueError(
                 f"`activation_reserve={activation_reserve!r}` is neither a fraction of a rank's memory nor bytes."
-                f" HINT: pass a float from 0 to below 1 (the default, {DEFAULT_RESERVE}) or a whole number of bytes."
+                f" HINT: pass a float from 0 to below 1, a whole number of bytes, or None (the default:"
+                f" {DEFAULT_RESERVE} of the memory, at least {format_bytes(RESERVE_FLOOR)})."
             )
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(
@@ -97,6 +105,8 @@ class AutoOptions:
 
     def reserve_of(self, memory: int) -> int:
         """The reserve's bytes out of a rank's ``memory``."""
+        if self.activation_reserve is None:
+            return max(math.ceil(DEFAULT_RESERVE * memory), RESERVE_FLOOR)
         if isinstance(self.activation_reserve, float):
             return math.ceil(self.activation_reserve * memory)
         return self.activation_reserve
@@ -154,17 +164,21 @@ class AutoChoice:
         header = ["candidate", *(f"{w} per rank" for w in where), "disk per rank", "verdict"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in self.rows:
-            memory = [row.need.memory(True)] if on_cpu else [row.need.device, row.need.host]
+            memory = [row.need.memory(True)] if on_cpu else [row.need.memory(False), row.need.host]
             cells = [f"`{row.candidate.label}`", *map(format_bytes, [*memory, row.need.disk]), row.verdict.value]
             lines.append("| " + " | ".join(cells) + " |")
-        budget = self.budget
+        budget, w = self.budget, self.workload
         room = f"budget per rank: {format_bytes(budget.memory)} ({budget.source})"
         room += f", of which {format_bytes(self.reserve)} reserved for activations"
         if budget.host is not None:
             room += f"; host {format_bytes(budget.host)}"
         if budget.disk is not None:
             room += f"; disk {format_bytes(budget.disk)}"
-        w = self.workload
+        if w.working is not None:
+            room += (
+                f"; {where[0]} per rank includes the step's working buffers (largest unit {w.working.largest_unit:,}"
+                f" parameters, root {w.working.root_params:,})"
+            )
         model = (
             f"{w.num_params:,} parameters ({w.trainable_params:,} trainable), precision {w.precision}, optimizer"
             f" {w.optimizer}, {w.num_ranks} rank(s)"

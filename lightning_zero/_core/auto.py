@@ -13,12 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero._auto.budget import Budget, device_room, disk_room, host_room
-from lightning_zero._auto.candidates import Candidate, Offload, Workload
+from lightning_zero._auto.candidates import Candidate, Offload, Working, Workload
 from lightning_zero._auto.choice import AutoChoice, AutoChoiceError, AutoOptions, decide
 from lightning_zero._config import Stage, ZeroConfig
 from lightning_zero._core.report import log_info
 from lightning_zero._offload.process_group import backend_with_host
 from lightning_zero._transport.stalls import as_verdict
+from lightning_zero._wrap import choose_units
 
 # options the choice sets, or that tune only a placement it may not choose, with their defaults
 _CHOSEN: dict[str, object] = {
@@ -83,7 +84,8 @@ class AutoChoosing:
         if self.auto_choice is not None:
             return
         assert self._mode is None, "the mode was made before zero_auto chose its stage"
-        num_params, trainable, held = _counted(module, builds_later)
+        counted, held = _counted(module, builds_later)
+        num_params, trainable = _parameters(counted)
         budget = self._budget(held)
         params, budget = _agreed(num_params, trainable, budget)
         group = self.config.shard_group_size
@@ -96,6 +98,7 @@ class AutoChoosing:
             num_ranks=self.world_size,
             num_nodes=self.num_nodes,
             shard_group_size=self.num_processes if group == "node" else group,
+            working=_working(counted, self.config),
         )
         self.auto_choice = decide(workload, budget, self.auto_options)
         self.config = self._config_for(self.auto_choice.candidate)
@@ -134,10 +137,10 @@ class AutoChoosing:
         )
 
 
-def _counted(module: nn.Module, builds_later: bool) -> tuple[int, int, dict[str, int]]:
-    """(parameters, trainable parameters, bytes of them this rank holds by device type). A module that builds in
-    ``configure_model`` is counted on a copy whose hook runs on the meta device: its own tensors are copied as meta
-    tensors and its trainer is left out, so the copy costs no memory."""
+def _counted(module: nn.Module, builds_later: bool) -> tuple[nn.Module, dict[str, int]]:
+    """The module to count (built whole), and the bytes of parameters this rank holds by device type. A module that
+    builds in ``configure_model`` is counted on a copy whose hook runs on the meta device: its own tensors are copied
+    as meta tensors and its trainer is left out, so the copy costs no memory."""
     held: dict[str, int] = {}
     for param in module.parameters():
         if not param.is_meta:
@@ -149,8 +152,25 @@ def _counted(module: nn.Module, builds_later: bool) -> tuple[int, int, dict[str,
         counted = copy.deepcopy(module, memo)
         with torch.device("meta"):
             counted.configure_model()  # type: ignore[operator]
-    params = list(counted.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), held
+    return counted, held
+
+
+def _parameters(module: nn.Module) -> tuple[int, int]:
+    """(parameters, trainable parameters); a tied one counts once."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _working(module: nn.Module, config: ZeroConfig) -> Working:
+    """What sizes a step's working buffers: stage 3's units as ``config``'s wrap policy picks them, its buckets."""
+    taken: set[int] = set()
+    largest = 0
+    for unit in choose_units(module, config.auto_wrap_policy):  # deepest first: a parameter is its first unit's
+        params = [p for p in unit.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in params)
+        largest = max(largest, sum(p.numel() for p in params))
+    root = sum(p.numel() for p in module.parameters() if id(p) not in taken)
+    return Working(largest, root, config.bucket_bytes, config.keep_for_backward_bytes, config.prefetch_units)
 
 
 def _as_meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero._auto.choice import DEFAULT_RESERVE, optimizer_key
+from lightning_zero._auto.choice import optimizer_key
 from lightning_zero._config import Stage
 from lightning_zero._core.auto import AutoChoosing
 from lightning_zero._core.front_end import register_auto
@@ -34,7 +34,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         *,
         max_stage: int = 3,
         offload: bool | str = True,
-        activation_reserve: float | int = DEFAULT_RESERVE,
+        activation_reserve: float | int | None = None,
         optimizer: str = "adam",
         memory_per_rank: int | None = None,
         offload_dir: str | Path | None = None,

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_zero._auto.choice import DEFAULT_RESERVE, check_optimizer, optimizer_key
+from lightning_zero._auto.choice import check_optimizer, optimizer_key
 from lightning_zero._config import Stage
 from lightning_zero._core.auto import AutoChoosing
 from lightning_zero._core.front_end import register_auto
@@ -32,7 +32,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         offload: ``True`` (the default): host memory or files under ``offload_dir``; ``"cpu"``: host memory, no
             files; ``False``: no offload.
         activation_reserve: the part of each rank's memory left for activations, buffers and the framework: a
-            fraction below 1 (default 0.25) or bytes.
+            fraction below 1 or bytes; by default a quarter of it, at least 256 MiB.
         optimizer: the optimizer the estimate assumes (``"adam"``, ``"adamw"``, ``"sgd-momentum"``, ``"sgd"``);
             ``configure_optimizers`` runs after the choice, and fails where its optimizer's state does not fit.
         memory_per_rank: bytes each rank may use instead of what is measured (the tightest memory group or the
@@ -47,7 +47,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         *,
         max_stage: int = 3,
         offload: bool | str = True,
-        activation_reserve: float | int = DEFAULT_RESERVE,
+        activation_reserve: float | int | None = None,
         optimizer: str = "adam",
         memory_per_rank: int | None = None,
         offload_dir: str | Path | None = None,
