@@ -80,6 +80,7 @@ def test_the_default_reserve_is_a_quarter_and_at_least_the_floor() -> None:
     assert default.reserve_of(4 * RESERVE_FLOOR) == RESERVE_FLOOR  # a quarter
     assert default.reserve_of(8 * RESERVE_FLOOR) == 2 * RESERVE_FLOOR
     assert default.reserve_of(2 * RESERVE_FLOOR) == RESERVE_FLOOR  # the floor, not half as much
+    assert default.reserve_of(RESERVE_FLOOR) == RESERVE_FLOOR // 2  # at most half: the rest must hold the model
     assert AutoOptions.from_options(activation_reserve=0.25).reserve_of(2 * RESERVE_FLOOR) == RESERVE_FLOOR // 2
 
 

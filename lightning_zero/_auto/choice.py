@@ -16,9 +16,9 @@ DEFAULT_RESERVE = 0.25
 framework's own allocations (each candidate's buckets, gathered units and step temporaries are counted with it)..."""
 
 RESERVE_FLOOR = 256 * 2**20
-"""...and at least this much: what a rank's memory group grew by beyond the estimate once training ran on 2 CPU ranks
-(the framework's allocations after set-up, its libraries' pages; about 216 MiB a rank for ``bench_auto``'s 67 M
-parameter MLP under stage 3)."""
+"""...and at least this much, but never more than half the memory: what a rank's memory group grew by beyond the
+estimate once training ran on 2 CPU ranks (the framework's allocations after set-up, its libraries' pages; about 216
+MiB a rank for ``bench_auto``'s 67 M parameter MLP under stage 3)."""
 
 
 class AutoChoiceError(RuntimeError):
@@ -37,7 +37,7 @@ class AutoOptions:
 
     activation_reserve: float | int | None = None
     """The part of each rank's memory kept out of the model state's reach: a fraction below 1, or bytes; ``None``
-    (the default): ``DEFAULT_RESERVE`` of it, at least ``RESERVE_FLOOR``."""
+    (the default): ``DEFAULT_RESERVE`` of it, at least ``RESERVE_FLOOR`` and at most half."""
 
     optimizer: str = "adam"
     """The optimizer the estimate assumes until the configured one is known (a key of ``OPTIMIZER_STATES``)."""
@@ -81,7 +81,7 @@ class AutoOptions:
             raise ValueError(
                 f"`activation_reserve={activation_reserve!r}` is neither a fraction of a rank's memory nor bytes."
                 f" HINT: pass a float from 0 to below 1, a whole number of bytes, or None (the default:"
-                f" {DEFAULT_RESERVE} of the memory, at least {format_bytes(RESERVE_FLOOR)})."
+                f" {DEFAULT_RESERVE} of the memory, at least {format_bytes(RESERVE_FLOOR)}, at most half)."
             )
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(
@@ -106,7 +106,7 @@ class AutoOptions:
     def reserve_of(self, memory: int) -> int:
         """The reserve's bytes out of a rank's ``memory``."""
         if self.activation_reserve is None:
-            return max(math.ceil(DEFAULT_RESERVE * memory), RESERVE_FLOOR)
+            return min(max(math.ceil(DEFAULT_RESERVE * memory), RESERVE_FLOOR), memory // 2)
         if isinstance(self.activation_reserve, float):
             return math.ceil(self.activation_reserve * memory)
         return self.activation_reserve

@@ -32,7 +32,7 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
         offload: ``True`` (the default): host memory or files under ``offload_dir``; ``"cpu"``: host memory, no
             files; ``False``: no offload.
         activation_reserve: the part of each rank's memory left for activations, buffers and the framework: a
-            fraction below 1 or bytes; by default a quarter of it, at least 256 MiB.
+            fraction below 1 or bytes; by default a quarter of it, at least 256 MiB but at most half.
         optimizer: the optimizer the estimate assumes (``"adam"``, ``"adamw"``, ``"sgd-momentum"``, ``"sgd"``);
             ``configure_optimizers`` runs after the choice, and fails where its optimizer's state does not fit.
         memory_per_rank: bytes each rank may use instead of what is measured (the tightest memory group or the
