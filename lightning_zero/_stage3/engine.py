@@ -1,15 +1,16 @@
 """Stage 3 on the package's engine: the module holds only this rank's rows of each parameter; a unit is gathered for
-its forward and again for its backward, and released after each; gradients are reduce-scattered by the stage-2
-reducer, a bucket per unit or per run of small consecutive units.
+its forward and again for its backward (unless kept between them: ``keep_for_backward``), and released after each;
+gradients are reduce-scattered by the stage-2 reducer, a bucket per unit or per run of small consecutive units.
 
 The hooks, per unit (see :mod:`.units` for the words):
 
 - before its forward: gather it (if released) and let its modules hold the whole parameters; with gradients on,
   mark its inputs so that its release follows its backward (:class:`_ReleaseAfterBackward`);
-- after its forward: its modules hold the shards again and a unit but the root is released; with gradients on, a
-  hook on its outputs gathers it again when backward reaches them, its modules holding the whole parameters until
-  it is released. The root stays gathered through the step: a step runs
-  as the root's forward (:meth:`Stage3Engine.run_as_forward`), whatever it calls;
+- after its forward: its modules hold the shards again and a unit but the root is released, unless it is one of
+  the last units of the previous step's forward kept for backward; with gradients on, a hook on its outputs gathers
+  it again (if released) when backward reaches them, its modules holding the whole parameters until it is released.
+  The root stays gathered through the step: a step runs as the root's forward
+  (:meth:`Stage3Engine.run_as_forward`), whatever it calls;
 - in backward: when the backward of the unit's inputs is done, its gradients are staged into its bucket together,
   and the bucket is reduce-scattered once every unit sharing it is done
   (:class:`~lightning_zero._engine.reducers.ReduceScatterReducer`), and the unit is released; at the end of backward
