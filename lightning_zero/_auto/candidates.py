@@ -8,9 +8,9 @@ from enum import Enum
 
 from lightning_zero._config import Stage
 from lightning_zero._offload.target import OffloadTarget
+from lightning_zero._transport.shared_memory import RING_SIZE
 from lightning_zero.estimate import estimate, parameter_bytes
 
-GATHER_RING = 3  # shared buffers, each the size of the largest unit, that stage 3 gathers into on one host
 STEP_TEMPORARIES = 4  # bytes per element the optimizer steps: one fp32 temporary (Adam's denominators)
 
 
@@ -126,7 +126,7 @@ def working_bytes(candidate: Candidate, workload: Workload, sizes: Working) -> i
     shards = workload.shard_group_size or workload.num_ranks
     staging = min(2 * sizes.bucket_bytes, workload.trainable_params * element)
     unit, root = sizes.largest_unit * element, sizes.root_params * element
-    ring = GATHER_RING * unit if workload.num_ranks // workload.num_nodes > 1 else 0
+    ring = RING_SIZE * unit if workload.num_ranks // workload.num_nodes > 1 else 0
     stepped = math.ceil(workload.trainable_params / shards) * STEP_TEMPORARIES
     match candidate:
         case Candidate.ZERO1 | Candidate.ZERO2 | Candidate.ZERO2_OFFLOAD:

@@ -254,9 +254,9 @@ class GradientReducer:
             return
         self.backward_started()
         fresh = [i for i in (range(len(bucket.params)) if indices is None else indices) if not bucket.staged[i]]
-        present = [i for i in fresh if bucket.params[i].param.grad is not None]
-        self._stage_together(bucket, present)
-        for index in sorted(set(fresh) - set(present)):
+        absent = [i for i in fresh if bucket.params[i].param.grad is None]
+        self._stage_together(bucket, [i for i in fresh if i not in absent] if absent else fresh)
+        for index in absent:
             self._stage_absent(bucket, index)
             bucket.missing.append(index)
         for index in fresh:

@@ -151,6 +151,7 @@ class Unit:
         self.forwards = 0  # forwards with gradients in this step (until its backward ends)
         self.bucket: int | None = None  # the reducer's bucket of its trained parameters, staged whole
         self.bucket_indices = range(0)  # where they are in that bucket (units may share one)
+        self.whole_bytes = sum(part.whole_bytes for part in self.parts)  # its whole parameters' while gathered
 
     @property
     def sharded(self) -> list[ShardedParam]:
@@ -168,11 +169,6 @@ class Unit:
             if whole.requires_grad != shard.requires_grad:
                 whole.requires_grad_(shard.requires_grad)
             params[name] = whole
-
-    @property
-    def whole_bytes(self) -> int:
-        """The bytes its whole parameters take while gathered."""
-        return sum(part.whole_bytes for part in self.parts)
 
     @property
     def gathered_bytes(self) -> int:
