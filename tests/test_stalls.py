@@ -86,11 +86,12 @@ def test_runs_in_turn_are_each_watched_afresh(tmp_path: Path) -> None:
     assert float((tmp_path / "computed_for").read_text()) >= 2 * STALL_AFTER  # a round asked, and its window passed
 
     # rank 0 holding its interpreter in native code for 4 `stall_after`: rank 1 names it, not before `stall_after`
-    # of silence after its ask (itself `stall_after` into its wait), and rank 0 takes the verdict once back
+    # of silence after its ask (itself `stall_after` into its wait, which begins after rank 1's mark), and rank 0
+    # takes the verdict once back
     held = [s["held_interpreter"] for s in seen]
     assert held[0]["error"] is not None and held[1]["error"] is not None, held
-    held_from = float((tmp_path / "held_from").read_text())
-    assert held[1]["at"] - held_from >= 2 * STALL_AFTER, held[1]["at"] - held_from
+    waits_from = float((tmp_path / "waits_from").read_text())
+    assert held[1]["at"] - waits_from >= 2 * STALL_AFTER, held[1]["at"] - waits_from
     named = (
         f"{verdict_line(1, 'PeerError')}lightning_zero's stall watchdog on rank 1 gave up on rank 0 (PID {pids[0]}):"
         " rank 1 has waited"

@@ -181,12 +181,12 @@ class Watcher:
                     watch.pending_signal = None
                 elif now - received >= SIGNAL_GRACE_SECONDS:
                     watch.signalled, watch.pending_signal = signalled, None
-                    self.ask(watch, now - self._still.since)
+                    self.ask(watch, now - self._still.since, stalled_in=frame_key)
                     return
             # at its exit a rank asks from the main thread (`at_exit`); outside a run no stall is asked about
             stalled = blocked and sample.place is not Place.LEFT and now - self._still.since >= watch.stall_after
             if stalled and watch.scope != EXIT and now - watch.asked_at >= watch.stall_after:
-                self.ask(watch, now - self._still.since)
+                self.ask(watch, now - self._still.since, stalled_in=self._still.key)
         except StoreGone:  # rank 0 exited: nothing to coordinate
             return
 
@@ -256,9 +256,12 @@ class Watcher:
             self.answered = number
             watch.asked_at = time.monotonic()  # taking part in a round counts as asking one
 
-    def ask(self, watch: Watch, still: float) -> StallError | None:
+    def ask(self, watch: Watch, still: float, stalled_in: FrameKey | None = None) -> StallError | None:
         """Put a round to every rank, answer it, wait for the answers (the window: ``stall_after``; less once every
-        rank that has not answered is gone), and reach its verdict; ``still``: how long this rank has waited."""
+        rank that has not answered is gone), and reach its verdict; ``still``: how long this rank has waited.
+        ``stalled_in``: the call of the main thread's whose stall the thread asks about; once the main thread left it
+        the stall is over, whatever the round would have found (a peer silent in the window may have answered the
+        collective meanwhile and held its interpreter again since, in the next run even): no verdict."""
         asked_at = time.monotonic()
         watch.asked_at = asked_at
         number = self.rounds.ask()
@@ -271,10 +274,12 @@ class Watcher:
             if now >= next_look:
                 next_look = now + LOOK_SECONDS
                 self._adopt(watch)  # another round reached a verdict
-                if self._missing_are_gone(number):
+                if self._missing_are_gone(number) or self._left(stalled_in):
                     break
             self._answer_up_to(self.rounds.latest(), watch)  # a peer asked a round of its own meanwhile
             time.sleep(POLL_SECONDS)
+        if watch.verdict is None and self._left(stalled_in):
+            return None
         if watch.verdict is not None:
             return watch.verdict
         answers = self.rounds.answers(number)
@@ -286,6 +291,13 @@ class Watcher:
         if found is not None:
             self._reach(watch, self.rounds.decide(watch.scope, found), watch.scope)
         return watch.verdict
+
+    def _left(self, stalled_in: FrameKey | None) -> bool:
+        """Whether the main thread is no longer in the call ``stalled_in`` (never, for a round asked without one)."""
+        if stalled_in is None:
+            return False
+        now = activity.sample(skipping=_HERE)
+        return now is None or now.frame_key != stalled_in
 
     def _missing_are_gone(self, number: int) -> bool:
         """Whether every rank that has not answered round ``number`` exited or announced a failure: waiting longer

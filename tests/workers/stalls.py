@@ -61,12 +61,15 @@ def rank() -> int:
 
 
 class Steps(LightningModule):
-    """A small regression; rank 0 runs ``on_rank0`` at the end of its second step."""
+    """A small regression; at the end of its second step rank 0 runs ``on_rank0`` and rank 1 ``on_rank1``."""
 
-    def __init__(self, on_rank0: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, on_rank0: Callable[[], None] = lambda: None, on_rank1: Callable[[], None] = lambda: None
+    ) -> None:
         super().__init__()
         self.layer = nn.Linear(8, 8)
         self.on_rank0 = on_rank0
+        self.on_rank1 = on_rank1
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == 1 and self.global_step == STOPS_AT and os.environ.get("STOP_RANK1"):
@@ -74,8 +77,8 @@ class Steps(LightningModule):
         return self.layer(batch[0]).pow(2).mean()
 
     def on_train_batch_end(self, *args: Any) -> None:
-        if self.global_rank == 0 and self.global_step == 2:
-            self.on_rank0()
+        if self.global_step == 2:
+            (self.on_rank0 if self.global_rank == 0 else self.on_rank1)()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -149,13 +152,16 @@ def computing_rank(out: Path, stall_after: float) -> dict[str, Any]:
 
 def held_interpreter(out: Path, stall_after: float) -> dict[str, Any]:
     """Rank 0 in a C call that keeps the GIL for 4 ``stall_after`` at its second step (the same process group as the
-    run before): rank 1 names it once it gave no sign of life for ``stall_after`` after being asked."""
+    run before): rank 1 names it once it gave no sign of life for ``stall_after`` after being asked. Rank 1 marks when
+    it leaves that step for its next collective (its wait begins after the mark, however loaded the machine)."""
 
     def hold() -> None:
-        (out / "held_from").write_text(str(time.time()))
         ctypes.PyDLL(None).sleep(int(4 * stall_after))
 
-    return outcome(lambda: fit(2, stall_after, Steps(hold)))
+    def mark() -> None:
+        (out / "waits_from").write_text(str(time.time()))
+
+    return outcome(lambda: fit(2, stall_after, Steps(hold, mark)))
 
 
 class InMixedGroup(Steps):
