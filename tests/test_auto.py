@@ -55,20 +55,31 @@ def test_needs_follow_the_papers_formulas() -> None:
     }
 
 
+# SGD with momentum, per parameter on 2 ranks: zero1 4 + 4 + 4/2 = 10 B; zero2 4 + 4/2 + 4/2 = 8 B; zero3 12/2 = 6 B
+SGD = replace(WORKLOAD, optimizer="sgd-momentum")
+
+
 @pytest.mark.parametrize(
-    ("budget", "expected"),
+    ("workload", "budget", "expected"),
     [
-        (cpu(12e6), "zero1"),  # exactly fits
-        (cpu(12e6 - 1), "zero2"),
-        (cpu(9e6), "zero3"),
-        (cpu(7e6), "zero3_infinity"),  # offload to host memory does not help on the CPU: it is the same memory
-        (gpu(7e6, 1e9), "zero2_offload"),
-        (gpu(5e6, 1e9), "zero3_offload"),
-        (gpu(5e6, 7e6), "zero3_infinity"),  # host memory too small for zero3_offload's 8 MB
+        (WORKLOAD, gpu(12e6, 1e9), "zero1"),  # exactly fits
+        (WORKLOAD, gpu(12e6 - 1, 1e9), "zero2"),
+        (WORKLOAD, gpu(9e6, 1e9), "zero3"),
+        (WORKLOAD, gpu(7e6, 1e9), "zero2_offload"),
+        (WORKLOAD, gpu(5e6, 1e9), "zero3_offload"),
+        (WORKLOAD, gpu(5e6, 7e6), "zero3_infinity"),  # host memory too small for zero3_offload's 8 MB
+        # on CPU ranks stepping Adam the host step (torch's fused kernel) comes first: the host is the device
+        (WORKLOAD, cpu(20e6), "zero2_offload"),
+        (WORKLOAD, cpu(10e6 - 1), "zero3_offload"),
+        (WORKLOAD, cpu(7e6), "zero3_infinity"),  # offload to host memory does not help on the CPU: the same memory
+        # stepping SGD, every candidate runs the multi-tensor kernels: the order of traffic
+        (SGD, cpu(10e6), "zero1"),
+        (SGD, cpu(10e6 - 1), "zero2"),
+        (SGD, cpu(7e6), "zero3"),
     ],
 )
-def test_the_first_candidate_that_fits_is_chosen(budget: Budget, expected: str) -> None:
-    choice = decide(WORKLOAD, budget, NO_RESERVE)
+def test_the_first_candidate_that_fits_is_chosen(workload: Workload, budget: Budget, expected: str) -> None:
+    choice = decide(workload, budget, NO_RESERVE)
     assert choice.name == expected
     verdicts = [row.verdict for row in choice.rows]
     assert verdicts.count(Verdict.CHOSEN) == 1
@@ -85,10 +96,11 @@ def test_the_default_reserve_is_a_quarter_and_at_least_the_floor() -> None:
 
 
 def test_the_reserve_is_kept_out_of_the_budget() -> None:
-    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=0.25)).name == "zero1"
-    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=0.3)).name == "zero2"
-    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=int(6e6))).name == "zero2"
-    assert decide(WORKLOAD, cpu(16e6), AutoOptions.from_options(activation_reserve=int(6e6))).reserve == int(6e6)
+    budget = gpu(16e6, 1e9)
+    assert decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=0.25)).name == "zero1"
+    assert decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=0.3)).name == "zero2"
+    assert decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=int(6e6))).name == "zero2"
+    assert decide(WORKLOAD, budget, AutoOptions.from_options(activation_reserve=int(6e6))).reserve == int(6e6)
 
 
 @pytest.mark.parametrize(
@@ -120,18 +132,24 @@ def test_nothing_fits_names_the_need_and_the_options(options: dict, budget: Budg
 
 
 def test_the_table_says_what_was_chosen_and_why() -> None:
-    choice = decide(WORKLOAD, cpu(9e6), NO_RESERVE)
+    choice = decide(SGD, cpu(7e6), NO_RESERVE)
     table = choice.table()
-    assert "| `zero3` | 7.6 MiB | 0 B | chosen |" in table
-    assert "| `zero1` | 11.4 MiB | 0 B | too large for memory |" in table
+    assert "| `zero3` | 5.7 MiB | 0 B | chosen |" in table
+    assert "| `zero1` | 9.5 MiB | 0 B | too large for memory |" in table
+    assert "in order of traffic, that fits" in choice.reason
     assert "before it: zero1 (too large for memory), zero2 (too large for memory)" in choice.reason
+    adam = decide(WORKLOAD, cpu(9e6), NO_RESERVE)
+    assert "| `zero3_offload` | 7.6 MiB | 0 B | chosen |" in adam.table()
+    assert "those stepping on the host first" in adam.reason
+    assert "before it: zero2_offload (too large for memory)" in adam.reason
 
 
 def test_a_configured_optimizer_with_more_state_fails_naming_the_candidate_that_fits() -> None:
     sgd = Workload(MILLION, MILLION, "32-true", False, "sgd", num_ranks=2)  # zero1: 4 + 4 = 8 B per parameter
     choice = decide(sgd, cpu(9e6), NO_RESERVE)
     assert choice.name == "zero1"
-    with pytest.raises(AutoChoiceError, match=r"chose zero1 .* is adam, .* zero3 would. HINT: pass `optimizer='adam'`"):
+    named = r"chose zero1 .* is adam, .* zero3_offload would. HINT: pass `optimizer='adam'`"
+    with pytest.raises(AutoChoiceError, match=named):
         check_optimizer(choice, "adam", NO_RESERVE)
     check_optimizer(choice, "sgd", NO_RESERVE)  # the one assumed: nothing to say
 
@@ -209,9 +227,9 @@ class Blocks(torch.nn.Module):
 
 
 def test_the_working_buffers_follow_the_units_and_buckets() -> None:
-    """Beside the model state: one fp32 temporary per stepped element, two buckets, and in stage 3 the gathered root
-    and units (the running one and those kept, zero3_offload's prefetched one, ZeRO-Infinity's read ahead) with the
-    gather ring on a host of several ranks."""
+    """Beside the model state on a GPU: one fp32 temporary per element the device steps (none where the optimizer
+    steps on the host), two buckets, and in stage 3 the gathered root and units (the running one and those kept,
+    zero3_offload's prefetched one, ZeRO-Infinity's read ahead) with the gather ring on a host of several ranks."""
     config = ZeroConfig.from_options(stage=3, bucket_cap_mb=1 / 1024, keep_for_backward_mb=10 / 1024)
     working = _working(Blocks(), config)
     assert working == Working(largest_unit=10_100, root_params=2_010, bucket_bytes=1024, keep_bytes=10 * 1024)
@@ -223,10 +241,10 @@ def test_the_working_buffers_follow_the_units_and_buckets() -> None:
     assert by_name == {
         "zero1": stepped + staging,
         "zero2": stepped + staging,
-        "zero2_offload": stepped + staging,
+        "zero2_offload": staging,
         "zero3": stepped + staging + root + unit + 10 * 1024 + ring,
-        "zero3_offload": stepped + staging + root + 2 * unit + ring,
-        "zero3_infinity": 4 * 10_100 // 2 + staging + root + 4 * unit + ring,
+        "zero3_offload": staging + root + 2 * unit + ring,
+        "zero3_infinity": staging + root + 4 * unit + ring,
     }
     one_rank = replace(workload, num_ranks=1)
     assert needs(one_rank)[Candidate.ZERO3].working == 4 * params + staging + root + unit + 10 * 1024  # no ring
@@ -234,7 +252,28 @@ def test_the_working_buffers_follow_the_units_and_buckets() -> None:
     assert needs(keeps_all)[Candidate.ZERO3].working == stepped + staging + root + unit + 4 * 3 * 10_100 + ring
     # the working buffers count where the computation runs: they can make a candidate too large
     state_only = replace(workload, working=None)
-    zero1 = needs(state_only)[Candidate.ZERO1].memory(on_cpu=True)
-    budget = cpu(zero1 + staging)
+    zero1 = needs(state_only)[Candidate.ZERO1].memory(on_cpu=False)
+    budget = gpu(zero1 + staging, 1e9)
     assert decide(state_only, budget, NO_RESERVE).name == "zero1"
     assert decide(workload, budget, NO_RESERVE).name != "zero1"
+
+
+@pytest.mark.parametrize(("optimizer", "on_host"), [("adamw", 0), ("sgd-momentum", 4)])
+def test_on_cpu_ranks_only_a_fused_host_step_needs_no_temporaries(optimizer: str, on_host: int) -> None:
+    """On CPU ranks the in-memory stages step with the multi-tensor kernels (one fp32 temporary per element stepped),
+    which match ``ddp``'s numbers bit for bit; a step on the host runs torch's fused kernel in place for Adam and AdamW
+    (no temporaries), the multi-tensor kernels for other optimizers."""
+    config = ZeroConfig.from_options(stage=3, bucket_cap_mb=1 / 1024, keep_for_backward_mb=0)
+    params = 3 * 10_100 + 2_010
+    workload = Workload(params, params, "32-true", False, optimizer, num_ranks=2, working=_working(Blocks(), config))
+    staging, unit, root, ring = 2 * 1024, 4 * 10_100, 4 * 2_010, 3 * 4 * 10_100
+    stepped, host_stepped = 4 * params // 2, on_host * params // 2
+    by_name = {c.label: n.working for c, n in needs(workload, on_cpu=True).items()}
+    assert by_name == {
+        "zero1": stepped + staging,
+        "zero2": stepped + staging,
+        "zero2_offload": host_stepped + staging,
+        "zero3": stepped + staging + root + unit + ring,
+        "zero3_offload": host_stepped + staging + root + 2 * unit + ring,
+        "zero3_infinity": on_host * 10_100 // 2 + staging + root + 4 * unit + ring,
+    }

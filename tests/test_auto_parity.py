@@ -1,6 +1,7 @@
 """``zero_auto`` against the strategy it chose, named by hand: 2 CPU ranks, the same seeded classifier, the same 6
 steps. The choice is that strategy, so losses, parameters and optimizer state must be equal exactly, not within a
-tolerance. One pair of processes runs both budgets (tests/workers/auto_parity.py)."""
+tolerance. One pair of processes runs every case (tests/workers/auto_parity.py): two budgets, a module built under
+``trainer.init_module()``, and a Fabric loop."""
 
 from __future__ import annotations
 
@@ -36,7 +37,15 @@ def assert_equal(a: Any, b: Any, where: str) -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize(("case", "expected"), [("measured", "zero1"), ("room_for_stage_2", "zero2")])
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("measured", "zero2_offload"),  # CPU ranks stepping Adam: the host step (torch's fused kernel) first
+        ("room_for_stage_2", "zero2"),  # no offload
+        ("init_module", "zero2_offload"),
+        ("fabric", "zero2_offload"),
+    ],
+)
 def test_zero_auto_equals_its_choice_named_by_hand(results: list[dict[str, Any]], case: str, expected: str) -> None:
     for rank, ranks_results in enumerate(results):
         run = ranks_results[case]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from lightning_zero._auto.budget import Budget
-from lightning_zero._auto.candidates import Candidate, Need, Offload, Workload, needs
+from lightning_zero._auto.candidates import Candidate, Need, Offload, Workload, host_steps_first, needs, order
 from lightning_zero.estimate import OPTIMIZER_STATES, format_bytes
 
 DEFAULT_RESERVE = 0.25
@@ -152,10 +152,14 @@ class AutoChoice:
         """Why this candidate: those before it that the options allow did not fit."""
         room = f"{format_bytes(self.budget.memory - self.reserve)} of memory per rank after the activation reserve"
         skipped = [row for row in self.rows if row.verdict not in (Verdict.CHOSEN, Verdict.FITS, Verdict.CAPPED)]
+        if host_steps_first(self.workload.optimizer, self.budget.host is None):
+            weighed = "in order of traffic, those stepping on the host first (on CPU ranks, torch's fused kernel)"
+        else:
+            weighed = "in order of traffic"
         if not skipped:
-            return f"{self.name} moves the least data of the candidates allowed, and fits in {room}"
+            return f"{self.name} is the first candidate allowed, {weighed}, and fits in {room}"
         larger = ", ".join(f"{row.candidate.label} ({row.verdict.value})" for row in skipped)
-        return f"{self.name} is the first candidate, in order of traffic, that fits in {room}; before it: {larger}"
+        return f"{self.name} is the first candidate, {weighed}, that fits in {room}; before it: {larger}"
 
     def table(self) -> str:
         """A markdown table: each candidate's bytes per rank by where they live, and the verdict."""
@@ -193,7 +197,9 @@ def decide(workload: Workload, budget: Budget, options: AutoOptions) -> AutoChoi
     on_cpu = budget.host is None
     chosen: Candidate | None = None
     rows = []
-    for candidate, need in needs(workload).items():
+    by_candidate = needs(workload, on_cpu)
+    for candidate in order(workload.optimizer, on_cpu):
+        need = by_candidate[candidate]
         if not options.admits(candidate):
             verdict = Verdict.CAPPED
         elif need.memory(on_cpu) + reserve > budget.memory:

@@ -3,6 +3,8 @@ rank's memory (see :mod:`lightning_zero._auto`)."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,18 @@ class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_auto(strategy_registry, cls)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Before the choice, eager construction, as ``"ddp"`` builds (the stage is not known yet: the choice counts
+        the module built); a module too large to build whole on a rank builds in ``configure_model`` instead."""
+        if self.auto_choice is None:
+            with super(ZeroStrategy, self).tensor_init_context(empty_init):
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
 
     @override
     def setup_environment(self) -> None:
