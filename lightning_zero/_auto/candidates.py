@@ -90,7 +90,8 @@ def host_steps_first(optimizer: str, on_cpu: bool) -> bool:
     """Whether the candidates whose optimizer steps on the host come first: on CPU ranks stepping Adam or AdamW. There
     the host is the device, so offloading moves nothing across a bus, and the host step runs torch's fused kernel
     (about six times as fast as the multi-tensor kernels, which the in-memory stages run because they match ``ddp``'s
-    per-parameter loop bit for bit; the fused kernel agrees to rounding)."""
+    per-parameter loop bit for bit; the fused kernel differs in the last bits, which Adam can amplify where a gradient
+    is rounding noise)."""
     return on_cpu and optimizer in FUSED_ON_HOST
 
 

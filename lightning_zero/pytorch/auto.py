@@ -23,7 +23,8 @@ from lightning_zero.pytorch.strategy import ZeroStrategy
 
 class ZeroAutoStrategy(AutoChoosing, ZeroStrategy):
     """The first of ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload`` and ``zero3_infinity`` (the
-    order of their traffic) whose model state fits each rank's memory beside the activation reserve, chosen when
+    order of their traffic; on CPU ranks stepping Adam or AdamW the two host-stepping ones first, whose fused kernel is
+    the fastest there) whose model state fits each rank's memory beside the activation reserve, chosen when
     ``fit`` sets up, before any rank builds a ``configure_model`` model; the table of the choice is logged on rank 0
     and kept in :attr:`auto_choice`.
 
