@@ -7,12 +7,14 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from lightning_zero._config import Stage
+from lightning_zero._offload.kernels import FUSED_ON_SHARDS
 from lightning_zero._offload.target import OffloadTarget
 from lightning_zero._transport.shared_memory import RING_SIZE
 from lightning_zero.estimate import estimate, parameter_bytes
 
 STEP_TEMPORARIES = 4  # bytes per element the optimizer steps: one fp32 temporary (Adam's denominators)
-FUSED_ON_HOST = ("adam", "adamw")  # optimizers whose step on host tensors runs torch's fused kernel, in place
+# the optimizers (as ``estimate.OPTIMIZER_STATES`` keys them) whose step on host tensors runs torch's fused kernel
+FUSED_ON_HOST = tuple(kind.__name__.lower() for kind in FUSED_ON_SHARDS)
 
 
 class Offload(Enum):
@@ -101,7 +103,7 @@ def order(optimizer: str, on_cpu: bool) -> list[Candidate]:
     candidates = list(Candidate)
     if not host_steps_first(optimizer, on_cpu):
         return candidates
-    on_host = [Candidate.ZERO2_OFFLOAD, Candidate.ZERO3_OFFLOAD]
+    on_host = [c for c in candidates if c.offload_optimizer is OffloadTarget.CPU]
     return on_host + [c for c in candidates if c not in on_host]
 
 

@@ -254,8 +254,11 @@ class GradientReducer:
             return
         self.backward_started()
         fresh = [i for i in (range(len(bucket.params)) if indices is None else indices) if not bucket.staged[i]]
-        absent = [i for i in fresh if bucket.params[i].param.grad is None]
-        self._stage_together(bucket, [i for i in fresh if i not in absent] if absent else fresh)
+        present: list[int] = []
+        absent: list[int] = []
+        for i in fresh:
+            (absent if bucket.params[i].param.grad is None else present).append(i)
+        self._stage_together(bucket, present)
         for index in absent:
             self._stage_absent(bucket, index)
             bucket.missing.append(index)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-_FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)  # fused kernels that DTensor shards dispatch
+FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)  # fused kernels that DTensor shards dispatch
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class KernelChoice:
         if not host:
             return cls("foreach")
         on_host = all(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"])
-        return cls("fused" if isinstance(optimizer, _FUSED_ON_SHARDS) and on_host else "foreach")
+        return cls("fused" if isinstance(optimizer, FUSED_ON_SHARDS) and on_host else "foreach")
 
     @contextmanager
     def applied(self, optimizer: Optimizer) -> Generator[None, None, None]:

@@ -60,18 +60,18 @@ def fabric_loop(strategy: Any) -> tuple[Fabric, dict[str, Any]]:
         optimizer.zero_grad()
         losses.append(loss.detach().clone())
     state = tree_map_only(DTensor, lambda t: t.to_local().clone(), fabric.strategy.get_optimizer_state(optimizer))
-    return fabric, {"losses": losses, "params": [p.detach().clone() for p in module.parameters()], "optimizer": state}
+    params = [p.detach().clone() for p in module.parameters()]
+    return fabric, {"losses": losses, "params": params, "optimizer": state, "ran": ran(fabric.strategy)}
 
 
-def ran(trainer: pl.Trainer) -> tuple[str, int, bool]:
+def ran(strategy: Any) -> tuple[str, int, bool]:
     """How the run trained: its mode's class, its stage and whether it offloaded (equal results alone would not tell
     the stages apart: they train alike)."""
-    strategy = trainer.strategy
     return type(strategy.mode).__name__, int(strategy.stage), strategy.placement.offloads
 
 
 def compared(chosen: str, auto: pl.Trainer, by_hand: pl.Trainer) -> dict[str, Any]:
-    return {"chosen": chosen, **{name: {**full_snapshot(t), "ran": ran(t)} for name, t in (("auto", auto),
+    return {"chosen": chosen, **{name: {**full_snapshot(t), "ran": ran(t.strategy)} for name, t in (("auto", auto),
             ("by_hand", by_hand))}}  # fmt: skip
 
 
