@@ -116,6 +116,22 @@ class ZeroConfig:
     all-reduced across the groups, and parameters are gathered within a group only. ``None``: one group of every rank
     (full sharding). Per-rank bytes then follow the group size, not the number of ranks."""
 
+    quantize_weights: bool = False
+    """Stage 3 (ZeRO++'s quantized weights): a unit's parameters cross between hosts as int8 with a scale per 256
+    elements, a quarter of fp32's bytes; every rank computes with the same dequantized weights, while the shards the
+    optimizer steps (the masters) stay exact. Gathers within a host stay exact."""
+
+    quantize_gradients: bool = False
+    """Stage 3 (ZeRO++'s quantized gradients): gradients are reduced within each host at full precision, then
+    across hosts as int8 with a scale per 256 elements, the error of each exchange carried into the next (error
+    feedback); under hybrid sharding, the all-reduce of each shard across the shard groups. Reductions within a host
+    stay exact."""
+
+    secondary_group_size: int | Literal["node"] | None = None
+    """Stage 3 (ZeRO++'s secondary partition): after its forward, each unit keeps its parameters sharded within groups
+    of this many consecutive ranks (``"node"``: the ranks of one node) until its backward, whose gathers then stay
+    within the group, on the node's links. Costs each rank ``1/size`` of each unit between the two."""
+
     state_dict_type: StateDictType = StateDictType.SHARDED
     """How checkpoints are written: ``"sharded"``, a directory in which each rank writes its own shards (fast, no rank
     holds the whole model); ``"full"``, one ordinary checkpoint file written by rank 0, which ``load_from_checkpoint``
@@ -228,6 +244,7 @@ class ZeroConfig:
                 f"`shard_group_size={group_size!r}` is not a group size. HINT: pass a positive number of ranks that"
                 " divides the number of ranks, 'node' for one shard group per node, or None to shard across all."
             )
+        _check_zero_plus_plus(Stage(stage), given, given["offload_parameters"] not in (False, None, "none"))
         stall_after = given["stall_after"]
         if isinstance(stall_after, bool) or not isinstance(stall_after, (int, float)) or not 0 < stall_after < math.inf:
             raise ValueError(
@@ -272,6 +289,7 @@ class ZeroConfig:
             prefetch_units=given["prefetch_units"],
             page_cache=page_cache,
             shard_group_size=group_size,
+            secondary_group_size=given["secondary_group_size"],
             state_dict_type=StateDictType(state_dict_type),
             stall_after=float(stall_after),
             deepspeed_optimization=given["deepspeed_optimization"],
@@ -329,7 +347,48 @@ def _with_deepspeed_config(
     return stage, {k: v for k, v in given.items() if k in options or v != defaults[k]}
 
 
-_SWITCHES = ("broadcast_buffers", "master_weights", "pin_memory", "sharded_on_one_device")
+_SWITCHES = (
+    "broadcast_buffers", "master_weights", "pin_memory", "sharded_on_one_device", "quantize_weights",
+    "quantize_gradients",
+)  # fmt: skip
+
+
+def _check_zero_plus_plus(stage: Stage, given: dict[str, Any], parameters_offloaded: bool) -> None:
+    """ZeRO++'s options against the stage and the other options (the switches' types are checked with the others)."""
+    if given["quantize_weights"] is True and stage != Stage.PARAMETERS:
+        raise ValueError(
+            f"`quantize_weights=True` quantizes stage 3's gathers of parameters; stage {stage} keeps full parameters"
+            " on every rank. HINT: use `Zero3Strategy` (or `stage=3`), or drop `quantize_weights`."
+        )
+    if given["quantize_gradients"] is True and stage != Stage.PARAMETERS:
+        raise ValueError(
+            f"`quantize_gradients=True` quantizes stage 3's gradient reductions; stage {stage}'s buckets carry each"
+            " rank's count of present gradients beside them, which must arrive exact. HINT: use `Zero3Strategy` (or"
+            " `stage=3`), or drop `quantize_gradients`."
+        )
+    size = given["secondary_group_size"]
+    if size is None:
+        return
+    if size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(
+            f"`secondary_group_size={size!r}` is not a group size. HINT: pass a positive number of ranks that divides"
+            " the number of ranks, 'node' for the ranks of one node, or None."
+        )
+    if stage != Stage.PARAMETERS:
+        raise ValueError(
+            f"`secondary_group_size={size!r}` keeps stage 3's parameters sharded within a group between a unit's"
+            f" forward and backward; stage {stage} keeps full parameters. HINT: use `Zero3Strategy`, or drop it."
+        )
+    if given["shard_group_size"] is not None:
+        raise ValueError(
+            f"`secondary_group_size={size!r}` with `shard_group_size={given['shard_group_size']!r}`: hybrid"
+            " sharding gathers within its shard groups already. HINT: drop one of the two."
+        )
+    if parameters_offloaded:
+        raise ValueError(
+            f"`secondary_group_size={size!r}` keeps gathered parameters on the device between forward and backward;"
+            " `offload_parameters` keeps them off it. HINT: drop one of the two."
+        )
 
 
 def _resolve_offload_dir(optimizer: OffloadTarget, parameters: OffloadTarget, offload_dir: object) -> Path | None:

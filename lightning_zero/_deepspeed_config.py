@@ -4,7 +4,9 @@ the strategies' ``deepspeed_config`` argument.
 What maps to a ZeRO option is taken; DeepSpeed's ``optimizer`` and ``scheduler`` sections become the torch objects
 that compute the same (:mod:`lightning_zero._deepspeed_optim`); what is a Trainer flag (precision, clipping,
 accumulation) is named in a warning with the flag to set, together with every key not acted on; a key whose absence
-here would change what training computes (quantized communication, stage 0) is refused.
+here would change what training computes (stage 0, quantized non-trainable weights) is refused. ZeRO++'s keys map to
+``quantize_weights``, ``quantize_gradients`` and ``secondary_group_size`` (hybrid sharding's ``shard_group_size``
+where the parameters are offloaded, which the secondary copy is not).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 from lightning_zero._deepspeed_optim import DeepSpeedOptimization
 
-_REFUSED_ZERO = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+_REFUSED_ZERO = ("zero_quantized_nontrainable_weights",)
+_ZERO_PLUS_PLUS = {"zero_quantized_weights": "quantize_weights", "zero_quantized_gradients": "quantize_gradients"}
 _DEFAULT_CLIPPING = 1.0
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16"}
 
@@ -105,10 +108,14 @@ class _Reader:
             options["reuse_elements"] = zero.pop("stage3_max_reuse_distance")
         hpz = zero.pop("zero_hpz_partition_size", 1)
         if hpz != 1:
-            options["shard_group_size"] = hpz
+            offloaded = options.get("offload_parameters", False) is not False
+            options["secondary_group_size" if stage == 3 and not offloaded else "shard_group_size"] = hpz
+        for key, option in _ZERO_PLUS_PLUS.items():
+            if zero.pop(key, False):
+                options[option] = True
         for key, value in zero.items():
             if key in _REFUSED_ZERO and value:
-                self.refuse(f"zero_optimization.{key}", "quantizes what ranks exchange", "drop it: ZeRO here is exact")
+                self.refuse(f"zero_optimization.{key}", "quantizes frozen weights", "drop it")
             self.ignored.append(f"zero_optimization.{key}")
         return options
 

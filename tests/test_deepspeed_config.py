@@ -37,6 +37,18 @@ LIGHTNING_STYLE = {  # what Lightning's DeepSpeedStrategy(stage=3, offload_optim
 }
 
 
+def test_zero_plus_plus_keys_map_to_its_options() -> None:
+    """ZeRO++'s three keys, as DeepSpeed's tutorial sets them (the secondary copy within a node of 8), for stage 3 with
+    parameters on the device; with offloaded parameters the partition size makes hybrid sharding's groups instead."""
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}
+    config = lightning_zero.ZeroStrategy.from_deepspeed_config({"zero_optimization": zero}).config
+    assert config.quantize_weights and config.quantize_gradients and config.secondary_group_size == 8
+    assert config.shard_group_size is None
+    offloaded = {**zero, "offload_param": {"device": "cpu"}}
+    config = lightning_zero.ZeroStrategy.from_deepspeed_config({"zero_optimization": offloaded}).config
+    assert config.secondary_group_size is None and config.shard_group_size == 8
+
+
 def test_maps_what_it_can_and_names_the_rest() -> None:
     with pytest.warns(UserWarning) as record:
         strategy = lightning_zero.ZeroStrategy.from_deepspeed_config(LIGHTNING_STYLE)
@@ -89,7 +101,7 @@ def test_stage_3_buckets_its_gradient_reduction_and_keeps_parameters_for_reuse()
             {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
             "warmup_num_steps must be a positive integer",
         ),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantizes.*HINT"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "quantizes.*HINT"),
         (
             {
                 "zero_optimization": {

@@ -280,6 +280,13 @@ def _break_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DTensor, "__new__", staticmethod(refuse))
 
 
+def _break_secondary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fully_shard`` no longer makes a unit's post-forward groups through the function the seam replaces."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard as module
+
+    monkeypatch.delattr(module, "_get_post_forward_mesh_info")
+
+
 BREAKS = {
     "unit state": _break_unit_state,
     "parameter groups": _break_groups,
@@ -289,6 +296,7 @@ BREAKS = {
     "stream keepalives": _break_keepalives,
     "reset": _break_reset,
     "DTensor layout": _break_layout,
+    "secondary copy": _break_secondary,
 }
 
 

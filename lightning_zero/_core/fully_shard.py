@@ -56,7 +56,8 @@ class FullyShardMode(ParametersMode):
         precision = precision_policy(self.config, module)
         if self.config.master_weights:  # the policy gathers them in bf16
             masters_in_fp32(module)
-        self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement)
+        wire, secondary = self._zero_plus_plus(mesh)
+        self.sharded = ShardedModule(module, mesh, units, self.device, precision, self.placement, wire, secondary)
         with self.placement.materializing(module, units, self.device) as filled:
             materialize(module, plan, lazy, self.device, mesh, self.sharded.shards_on_host, filled)
 

@@ -63,7 +63,8 @@ class Stage3Mode(ParametersMode):
         precision = EnginePrecision.of(self.config, module, replaces_grad_scaler=False)
         units = choose_units(module, self.config.auto_wrap_policy)
         keep = self.config.keep_for_backward_bytes
-        self.engine = Stage3Engine(module, units, mesh, self.device, precision, keep)
+        wire, secondary = self._zero_plus_plus(mesh)
+        self.engine = Stage3Engine(module, units, mesh, self.device, precision, keep, wire, secondary)
         for owner in module.modules():
             if any(isinstance(p, DTensor) for p in owner._parameters.values()):
                 owner.register_load_state_dict_pre_hook(self._whole_tensors_as_rows)

@@ -33,8 +33,9 @@ from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._grouping import group_by
 from lightning_zero._offload.host import host_copies, pinned_views
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import labels
+from lightning_zero._transport import labels, quantized
 from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.quantized import EXACT, Wire
 
 
 class ReduceMode(Enum):
@@ -145,9 +146,11 @@ class GradientReducer:
         reduce_dtype: torch.dtype | None = None,
         scaler: LossScaler | None = None,
         whole: Collection[int] = (),
+        wire: Wire = EXACT,
     ) -> None:
         """``whole``: the positions of the buckets staged whole (:attr:`Staging.WHOLE_BUCKET`, see
-        :meth:`accumulated`); the others are staged gradient by gradient."""
+        :meth:`accumulated`); the others are staged gradient by gradient. ``wire``: what crosses between nodes
+        quantized (ZeRO++)."""
         self.buckets = [
             Bucket(p, params, reduce_dtype, Staging.WHOLE_BUCKET if p in whole else Staging.EACH_GRADIENT)
             for p, params in enumerate(buckets)
@@ -163,6 +166,9 @@ class GradientReducer:
         self._published: list[torch.Tensor] = []  # local gradients handed to the optimizer in this backward
         self.group = mesh.shard_group  # shards are split over these ranks
         self.replicas = mesh.replicate  # hybrid sharding: reduced shards are then summed across the groups
+        self.wire = wire
+        self._feedback: dict[int, quantized.ErrorFeedback] = {}  # per bucket: its quantized reduction's error
+        self._replicated: dict[int, quantized.AcrossGroups] = {}  # per bucket: its quantized all-reduce across groups
         self.world_size = self.group.size()
         self.rank = self.group.rank()
         self.average_over = mesh.world_size  # every data-parallel rank contributes a gradient
@@ -517,13 +523,35 @@ class ReduceScatterReducer(GradientReducer):
         fresh = all(s.shard.grad is None for s in bucket.params)
         output = bucket.shard_grads if fresh else torch.empty_like(bucket.shard_grads)
         bucket.output = output
-        bucket.work = comm.reduce_scatter_sum(output, bucket.buffer, self.group, bucket.label)
+        bucket.work = self._reduce_scatter(bucket, output)
         if self.replicas is not None:  # then this rank's shards across the shard groups
-            replicas = self.replicas
-            bucket.work = comm.Chained(bucket.work, [lambda: comm.all_reduce_sum(output, replicas)])
+            replicas, across = self.replicas, self._across_groups(bucket)
+            if across is None:
+                bucket.work = comm.Chained(bucket.work, [lambda: comm.all_reduce_sum(output, replicas)])
+            else:
+                bucket.work.wait()
+                flags = bucket.layout.chunk_numel - bucket.layout.flags_offset
+                across.all_reduce_sum(output, replicas, bucket.label, flags)
         # Bound the staging memory: the bucket launched two before this one must have released its input.
         if bucket.position >= 2:
             self._wait(self.buckets[bucket.position - 2])
+
+    def _reduce_scatter(self, bucket: Bucket, output: torch.Tensor) -> comm.Pending:
+        """Within the shard group; where it spans nodes and gradients are quantized, by node and then across nodes,
+        the presence flags exact."""
+        by_host = self.wire.by_host if self.wire.gradients else None
+        if by_host is None:
+            return comm.reduce_scatter_sum(output, bucket.buffer, self.group, bucket.label)
+        flags = bucket.layout.chunk_numel - bucket.layout.flags_offset
+        feedback = self._feedback.setdefault(bucket.position, quantized.ErrorFeedback())
+        quantized.hierarchical_reduce_scatter(output, bucket.buffer, by_host, bucket.label, feedback, flags)
+        return comm.Exchange([], self.group)
+
+    def _across_groups(self, bucket: Bucket) -> quantized.AcrossGroups | None:
+        """The bucket's quantized all-reduce across the shard groups, where gradients are quantized."""
+        if not self.wire.gradients:
+            return None
+        return self._replicated.setdefault(bucket.position, quantized.AcrossGroups())
 
     def _release_input(self, bucket: Bucket) -> None:
         self.pool.release(bucket.buffer)

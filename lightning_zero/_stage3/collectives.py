@@ -22,28 +22,45 @@ from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero._stage3.seam import CUSTOM_COLLECTIVES, AllGather, ReduceScatter, around_own_collectives
-from lightning_zero._transport import activity, labels, shared_memory, stalls
+from lightning_zero._transport import activity, labels, quantized, shared_memory, stalls
 from lightning_zero._transport import collectives as comm
+from lightning_zero._transport.mesh import Split
+from lightning_zero._transport.quantized import EXACT, Wire
 
 T = TypeVar("T")
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
 
+
+
 def install(
-    fsdp_modules: list[nn.Module], group: ProcessGroup, largest_unit_bytes: int, replicas: ProcessGroup | None = None
+    fsdp_modules: list[nn.Module],
+    group: ProcessGroup,
+    largest_unit_bytes: int,
+    replicas: ProcessGroup | None = None,
+    wire: Wire | None = None,
 ) -> shared_memory.Channel | None:
     """Give every ``fully_shard``-ed module of a gloo group this package's collectives (where torch lets them be
     replaced), with a gather ring sized for the largest unit when the ranks share a host. With ``replicas`` (hybrid
     sharding: ``group`` is one shard group), each unit's reduced gradient shards are then averaged across the groups.
-    The last module is the root; each unit's collectives are labelled with its path in it (:mod:`.labels`). Returns
+    ``wire`` says what crosses between hosts quantized (ZeRO++). The last module is the root; each unit's collectives
+    are labelled with its path in it (:mod:`.labels`). Returns
     the shared-memory channel the units' collectives go through (or, on a torch without pluggable collectives, meet
     in before each), if they do."""
+    wire = wire or EXACT
     if replicas is not None:
         for module in fsdp_modules:
             assert isinstance(module, FSDPModule)
-            module.set_all_reduce_hook(AcrossReplicas(replicas))
+            module.set_all_reduce_hook(AcrossReplicas(replicas, wire.gradients))
     if group.size() == 1:
         return None
+    if wire.quantizes and (dist.get_backend(group) != "gloo" or not CUSTOM_COLLECTIVES):
+        raise ValueError(
+            f"`quantize_weights` and `quantize_gradients` replace stage 3's collectives, which torch"
+            f" {torch.__version__} lets this package do on gloo (CPU ranks) only, not on"
+            f" {dist.get_backend(group)!r}. HINT: drop them (hybrid sharding, `shard_group_size='node'`, keeps"
+            " gathers off the links between nodes), or run a torch that has `set_custom_all_gather`."
+        )
     root = fsdp_modules[-1]
     paths = {module: path for path, module in root.named_modules()}
     where = {module: (_class_name(root), paths[module]) for module in fsdp_modules}
@@ -53,12 +70,16 @@ def install(
     if not CUSTOM_COLLECTIVES:
         return _label_own_collectives(fsdp_modules, group, where)
     channel = shared_memory.channel(group)
-    if channel is not None:
-        open_gather_ring(channel, largest_unit_bytes)
+    # a quantized gather writes every row itself, which a ring buffer shared by the ranks cannot take
+    ring = channel if channel is not None and not wire.weights else None
+    if ring is not None:
+        open_gather_ring(ring, largest_unit_bytes)
     for module in fsdp_modules:
         assert isinstance(module, FSDPModule)
-        module.set_custom_all_gather(HostAllGather(channel, labels.unit_gather(*where[module])))
-        module.set_custom_reduce_scatter(HostReduceScatter(labels.unit_reduce(*where[module])))
+        gather = labels.unit_gather(*where[module])
+        module.set_custom_all_gather(HostAllGather(ring, gather, wire.ranks_per_node if wire.weights else None))
+        reduce = labels.unit_reduce(*where[module])
+        module.set_custom_reduce_scatter(HostReduceScatter(reduce, wire.by_host if wire.gradients else None))
     return channel
 
 
@@ -128,11 +149,15 @@ def _page_multiple(size: int) -> int:
 
 
 class HostAllGather(AllGather):  # type: ignore[misc]
-    """All-gather into a gather-ring buffer (``allocate``) where the channel has one free and large enough."""
+    """All-gather into a gather-ring buffer (``allocate``) where the channel has one free and large enough; with
+    ``quantize_across`` (the ranks per node), int8 over a group that spans nodes (the forward's; the backward's of a
+    secondary copy stays within a node, exact)."""
 
-    def __init__(self, channel: shared_memory.Channel | None, label: int) -> None:
+    def __init__(self, channel: shared_memory.Channel | None, label: int, quantize_across: int | None = None) -> None:
         self._channel = channel
         self._label = label  # the unit's
+        self._quantize_across = quantize_across
+        self._spans: dict[ProcessGroup, bool] = {}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self._channel is not None and device.type == "cpu":
@@ -144,14 +169,25 @@ class HostAllGather(AllGather):  # type: ignore[misc]
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
     ) -> None:
-        comm.all_gather(output_tensor, input_tensor, group, self._label).wait()
+        if self._quantize_across is not None and self._crosses(group, self._quantize_across):
+            quantized.all_gather(output_tensor, input_tensor, group, self._label)
+        else:
+            comm.all_gather(output_tensor, input_tensor, group, self._label).wait()
+
+    def _crosses(self, group: ProcessGroup, ranks_per_node: int) -> bool:
+        if group not in self._spans:
+            self._spans[group] = quantized.spans_hosts(group, ranks_per_node)
+        return self._spans[group]
 
 
 class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
-    """Reduce-scatter (a sum or an average) with this package's collectives."""
+    """Reduce-scatter (a sum or an average) with this package's collectives; with ``by_host`` (the shard group split
+    by host), within each host exactly and then across hosts quantized, with the unit's error feedback."""
 
-    def __init__(self, label: int) -> None:
+    def __init__(self, label: int, by_host: Split | None = None) -> None:
         self._label = label  # the unit's
+        self._by_host = by_host
+        self._feedback = quantized.ErrorFeedback()
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -167,18 +203,27 @@ class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return
-        comm.reduce_scatter_sum(output_tensor, input_tensor, group, self._label).wait()
+        if self._by_host is not None:
+            by_host, feedback = self._by_host, self._feedback
+            quantized.hierarchical_reduce_scatter(output_tensor, input_tensor, by_host, self._label, feedback)
+        else:
+            comm.reduce_scatter_sum(output_tensor, input_tensor, group, self._label).wait()
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(group.size())
 
 
 class AcrossReplicas:
     """``fully_shard``'s all-reduce hook under hybrid sharding: a unit's gradient shards, reduced within the shard
-    group, averaged across the shard groups (each holds the same rows), through this package's collectives."""
+    group, averaged across the shard groups (each holds the same rows), through this package's collectives; with
+    ``quantize``, quantized both ways (every group ends with the same values)."""
 
-    def __init__(self, replicas: ProcessGroup) -> None:
+    def __init__(self, replicas: ProcessGroup, quantize: bool = False) -> None:
         self._replicas = replicas
+        self._quantized = quantized.AcrossGroups() if quantize else None
 
     def __call__(self, output: torch.Tensor) -> None:
-        comm.all_reduce_sum(output, self._replicas).wait()
+        if self._quantized is not None:
+            self._quantized.all_reduce_sum(output, self._replicas, labels.ALL_REDUCE)
+        else:
+            comm.all_reduce_sum(output, self._replicas).wait()
         output.div_(self._replicas.size())

@@ -43,7 +43,8 @@ from lightning_zero._stage3.collectives import open_gather_ring
 from lightning_zero._stage3.seam import mark_sharded
 from lightning_zero._stage3.units import Unit, UnitState
 from lightning_zero._transport import activity, labels, shared_memory
-from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.mesh import DataParallelMesh, Split
+from lightning_zero._transport.quantized import EXACT, Wire, spans_hosts
 
 
 class Phase(Enum):
@@ -81,8 +82,11 @@ class Stage3Engine:
         device: torch.device,
         precision: EnginePrecision | None = None,
         keep_for_backward: int = 0,
+        wire: Wire = EXACT,
+        secondary: Split | None = None,
     ) -> None:
         self.mesh = mesh
+        self.wire = wire  # what crosses between nodes quantized (ZeRO++)
         self.keep_for_backward = keep_for_backward  # bytes of whole parameters kept from forward to backward
         self.precision = precision or EnginePrecision()
         store_dtype = _kept_dtypes(self.precision.master_dtype)
@@ -92,6 +96,7 @@ class Stage3Engine:
         paths = {m: path for path, m in module.named_modules()}
         kind = self._kind = type(module).__name__
         self.units: list[Unit] = []
+        quantize = wire.weights and spans_hosts(self.group, wire.ranks_per_node)
         taken = {id(p) for p in self.replicated}
         for unit_module in [*units, module]:
             params = [p for p in unit_module.parameters() if id(p) not in taken]
@@ -99,7 +104,7 @@ class Stage3Engine:
             path = paths[unit_module]
             self.units.append(
                 Unit(path, unit_module, params, store_dtype, self.group, mesh.shard, device,
-                     labels.unit_gather(kind, path))
+                     labels.unit_gather(kind, path), quantize, secondary)
             )  # fmt: skip
         for param in self.replicated:  # in the dtype the optimizer steps in: no gather casts them
             param.data = param.data.to(device, store_dtype.get(param.dtype, param.dtype))
@@ -165,7 +170,9 @@ class Stage3Engine:
                 trained = [s for s in rest if s.param.requires_grad]
                 if trained:
                     buckets.append(trained)
-            self.reducer = ReduceScatterReducer(buckets, self.mesh, self.pool, reduce_dtype, scaler, whole=whole)
+            self.reducer = ReduceScatterReducer(
+                buckets, self.mesh, self.pool, reduce_dtype, scaler, whole=whole, wire=self.wire
+            )
             for unit in self.units[:-1]:  # a bucket's collective is named after the first unit backward reaches
                 if unit.bucket is not None and unit.bucket_indices.start == 0:
                     self.reducer.buckets[unit.bucket].label = labels.unit_reduce(self._kind, unit.path)
@@ -188,9 +195,10 @@ class Stage3Engine:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             if unit is self.root:
                 self._forwards += 1
-            unit.gather(self.pool, self._channel)
+            backward_comes = unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE
+            unit.gather(self.pool, self._channel, keep_secondary=backward_comes and unit not in self._kept)
             unit.hold_whole()
-            if unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE:
+            if backward_comes:
                 unit.forwards += 1
                 args, kwargs = _released_after_backward(self._backward_done(unit), args, kwargs)
             return args, kwargs
@@ -263,6 +271,7 @@ class Stage3Engine:
     def _end_of_backward(self) -> None:
         for unit in self.units:
             unit.release()
+            unit.drop_secondary()
             unit.forwards = 0
         self.phase = Phase.IDLE
 
@@ -276,6 +285,7 @@ class Stage3Engine:
         """Every unit released, the modules holding the shards (after an evaluation, the root stays gathered)."""
         for unit in self.units:
             unit.release()
+            unit.drop_secondary()
 
     def after_step(self) -> None:
         """The optimizer updated the shards: a unit still gathered is released, and the root, inside a step that

@@ -28,6 +28,9 @@ runs):
   the CPU, where nothing waits on a stream.
 - **reset**: a root's reset after an aborted step (:func:`reset_after_failure`): ``reset_iter_state`` in recent
   torch, every unit resharded by hand in 2.8.
+- **secondary copy**: the groups a unit reshards to after its forward where ``reshard_after_forward`` is a group size
+  (ZeRO++'s secondary partition): one set of groups given to every unit (:func:`secondary_groups`), where
+  ``fully_shard`` would make new ones for each unit; each unit's parameter groups then gather over them in backward.
 - **DTensor layout**: a DTensor's own local tensor (:func:`local_tensor`, what an optimizer steps on), and its layout
   given to a new local tensor on that tensor's own device (:func:`dtensor_like`): the public ``DTensor.from_local``
   moves the tensor to its mesh's device type, and ``fully_shard`` keeps host-offloaded shards (and so their optimizer
@@ -43,15 +46,19 @@ stage 3, use it too.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_module
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
 from torch.distributed.tensor import DTensor
 
 try:  # the interface of `fully_shard`'s pluggable collectives (recent torch)
@@ -283,6 +290,41 @@ def reset_after_failure(root: FSDPModule) -> None:
     root.set_reshard_after_forward(False, recurse=False)
 
 
+@contextmanager
+def secondary_groups(
+    inner: ProcessGroup, across: ProcessGroup, ranks: list[list[int]], device_type: str
+) -> Generator[int, None, None]:
+    """While open, ``fully_shard(..., reshard_after_forward=size)`` (``size``: what it yields) makes its unit reshard
+    after forward to ``inner`` (this rank's part of the shard group, a row of ``ranks``) rather than to new groups of
+    its own; ``across`` links each part's counterparts (a column of ``ranks``)."""
+    original = getattr(_fully_shard_module, "_get_post_forward_mesh_info", None)
+    if original is None:
+        raise TorchContractError(
+            f"torch {torch.__version__}'s `fully_shard` does not provide what lightning_zero's stage 3 relies on for"
+            " the contract item 'secondary copy'. HINT: use a torch release within the range lightning_zero"
+            " declares, or drop `secondary_group_size`."
+        )
+    mesh = DeviceMesh.from_group([across, inner], device_type, mesh=ranks)
+    info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool):
+            return original(reshard_after_forward, mesh_info)
+        return info
+
+    _fully_shard_module._get_post_forward_mesh_info = shared
+    try:
+        yield inner.size()
+    finally:
+        _fully_shard_module._get_post_forward_mesh_info = original
+
+
+def _secondary_holds(unit: FSDPModule) -> bool:
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    made_here = hasattr(_fully_shard_module, "_get_post_forward_mesh_info")  # what `secondary_groups` replaces
+    return made_here and all(hasattr(group, "post_forward_mesh_info") for group in groups)
+
+
 class TorchContractError(RuntimeError):
     """The installed torch lacks something of ``fully_shard`` (or DTensor) this package relies on."""
 
@@ -378,6 +420,7 @@ CONTRACT = (
                  _keepalives_hold),
     ContractItem("reset", "a root at rest after an aborted step", lambda u: _has(u, "set_reshard_after_forward")),
     ContractItem("DTensor layout", "steps on local tensors, state in files laid out", _layout_holds),
+    ContractItem("secondary copy", "units resharded after forward to one set of groups", _secondary_holds),
 )  # fmt: skip
 
 
@@ -418,6 +461,7 @@ __all__ = [
     "padded_shard",
     "registered",
     "reset_after_failure",
+    "secondary_groups",
     "settle_shards",
     "shard_grad",
     "shard_owner",

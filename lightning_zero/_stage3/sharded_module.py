@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -52,11 +53,29 @@ from lightning_zero._stage3.seam import (
     has_run_forward,
     own_collective_arounds,
     reset_after_failure,
+    secondary_groups,
 )
 from lightning_zero._stage3.step import rows_of_whole_tensors, run_as_root_forward
 from lightning_zero._transport import activity, labels
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.mesh import DataParallelMesh, Split
+from lightning_zero._transport.quantized import EXACT, Wire
+
+
+@contextmanager
+def _resharding_after_forward(
+    mesh: DataParallelMesh, secondary: Split | None
+) -> Generator[dict[str, Any], None, None]:
+    """The arguments of ``fully_shard`` for each unit: none (reshard to the shard group), or the secondary parts'."""
+    if secondary is None:
+        yield {}
+        return
+    parts, size = secondary.across.size(), secondary.inner.size()
+    ranks = dist.get_process_group_ranks(mesh.shard_group)
+    grid = [ranks[part * size : (part + 1) * size] for part in range(parts)]
+    with secondary_groups(secondary.inner, secondary.across, grid, mesh.shard.device_type) as part_size:
+        yield {"reshard_after_forward": part_size}
+
 
 # Each sharded LightningModule's ShardedModule, which refers to the module only weakly, so that the entry (and all it
 # holds: shards, hooks) goes when the user drops the module.
@@ -74,7 +93,12 @@ class ShardedModule:
         device: torch.device,
         mp_policy: MixedPrecisionPolicy | None = None,
         placement: Placement | None = None,
+        wire: Wire = EXACT,
+        secondary: Split | None = None,
     ) -> None:
+        """``wire``: what crosses between hosts quantized; ``secondary``: the shard group's parts (and their
+        counterparts) each unit stays sharded within between its forward and its backward (ZeRO++'s secondary
+        partition)."""
         self._module = weakref.ref(module)
         offload_policy = placement.fsdp_offload_policy(device) if placement is not None else None
         self.shards_on_host = offload_policy is not None  # the placement's: shards, gradients, optimizer state
@@ -93,11 +117,12 @@ class ShardedModule:
         # The ring rotates the units; the root is gathered once a step and stays gathered through it, so a root
         # larger than every unit (embeddings, a head) goes through the channel's slots rather than triple the ring.
         largest = max(sizes[:-1] or sizes)
-        for unit in units:  # deepest first
-            fully_shard(unit, mesh=mesh.shard, **policies)
+        with _resharding_after_forward(mesh, secondary) as after_forward:
+            for unit in units:  # deepest first
+                fully_shard(unit, mesh=mesh.shard, **after_forward, **policies)
         fully_shard(module, mesh=mesh.shard, **policies)
         check_contract([*units, module])  # now, not at the first step: a torch whose internals differ says so here
-        self._channel = unit_collectives.install([*units, module], mesh.shard_group, largest, mesh.replicate)
+        self._channel = unit_collectives.install([*units, module], mesh.shard_group, largest, mesh.replicate, wire)
         self._forwards = 0  # forwards of the whole module under way: a step's forward may call `self(...)` inside
         # between runs: each unit's arounds of `fully_shard`'s own collectives, taken out of torch (see `suspend`),
         # by the unit's path: this object must not hold the module it belongs to

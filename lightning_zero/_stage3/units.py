@@ -32,7 +32,8 @@ from lightning_zero._engine.pool import BufferPool
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._grouping import group_by
 from lightning_zero._transport import collectives as comm
-from lightning_zero._transport import shared_memory
+from lightning_zero._transport import quantized, shared_memory
+from lightning_zero._transport.mesh import Split
 
 
 class UnitState(Enum):
@@ -64,6 +65,7 @@ class Part:
         for spec in self.specs:
             self._whole_offsets.append(self._whole_offsets[-1] + spec.padded_rows * spec.row_numel)
         self._whole: torch.Tensor | None = None
+        self.secondary: torch.Tensor | None = None  # this rank's piece of the gathered unit, kept for its backward
         self.whole_bytes = self._whole_offsets[-1] * self.dtype.itemsize
         self._sizes = [spec.padded_numel for spec in self.specs]
         self._outs: list[torch.Tensor] = []  # where a gather lays each parameter out (see ``take``)
@@ -130,10 +132,17 @@ class Unit:
         mesh: DeviceMesh,
         device: torch.device,
         label: int,
+        quantize: bool = False,
+        secondary: Split | None = None,
     ) -> None:
+        """``quantize``: its gathers send int8 (ZeRO++'s quantized weights); ``secondary``: the part of the shard group
+        (a node's ranks) that keeps it sharded from its forward to its backward, which then gathers within the part
+        (ZeRO++'s secondary partition)."""
         self.path = path
         self.group = group
         self.label = label  # of its all-gather (:mod:`lightning_zero._transport.labels`)
+        self.quantize = quantize
+        self.secondary = secondary
         by_dtype = group_by(params, lambda p: p.dtype)
         self.parts = [Part(ps, store_dtype.get(d, d), group, mesh, device) for d, ps in by_dtype.items()]
         for part, same in zip(self.parts, by_dtype.values(), strict=True):
@@ -175,10 +184,14 @@ class Unit:
         """The largest of its parts' all-gathers, in bytes."""
         return max((part.layout.numel * part.dtype.itemsize for part in self.parts), default=0)
 
-    def gather(self, pool: BufferPool, channel: shared_memory.Channel | None = None) -> None:
+    def gather(
+        self, pool: BufferPool, channel: shared_memory.Channel | None = None, keep_secondary: bool = False
+    ) -> None:
         """Every rank's rows, laid out whole (collective; nothing if gathered). Through a buffer of ``channel``'s
         gather ring where it has one free and large enough (every rank writes its rows into the one shared buffer,
-        which every rank reads in place: no copies in and out of the channel), else through a pooled one."""
+        which every rank reads in place: no copies in and out of the channel), else through a pooled one. From the
+        secondary copy where one was kept (within the part: :meth:`drop_secondary` otherwise); with
+        ``keep_secondary`` (a forward whose backward comes), one is kept."""
         if self.state is UnitState.GATHERED:
             return
         for part in self.parts:
@@ -186,16 +199,35 @@ class Unit:
             if part.world_size == 1 and part.rows.dtype == part.dtype:  # one rank: its rows are the whole
                 part.fill_whole(part.rows)
                 continue
-            shared = None if channel is None else channel.gather_buffer(part.layout.numel, part.dtype)
+            plain = part.secondary is None and not self.quantize
+            shared = None if channel is None or not plain else channel.gather_buffer(part.layout.numel, part.dtype)
             gathered = pool.acquire(part.layout.numel, part.dtype, part.device) if shared is None else shared
-            chunk = part.layout.chunks(gathered)[part.rank]
-            chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
-            comm.all_gather(gathered, chunk, self.group, self.label).wait()
+            if part.secondary is not None:
+                assert self.secondary is not None
+                inner = self.secondary.inner
+                piece = gathered.view(inner.size(), -1)[inner.rank()]
+                piece.copy_(part.secondary)
+                part.secondary = None
+                comm.all_gather(gathered, piece, inner, self.label).wait()
+            else:
+                chunk = part.layout.chunks(gathered)[part.rank]
+                chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
+                if self.quantize:
+                    quantized.all_gather(gathered, chunk, self.group, self.label)
+                else:
+                    comm.all_gather(gathered, chunk, self.group, self.label).wait()
+                if keep_secondary and self.secondary is not None:
+                    inner = self.secondary.inner
+                    part.secondary = gathered.view(inner.size(), -1)[inner.rank()].clone()
             part.fill_whole(gathered)
             if shared is None:
                 pool.release(gathered)
-            del gathered, chunk, shared  # a ring buffer is free again once no rank refers to it
+            del gathered, shared  # a ring buffer is free again once no rank refers to it
         self.state = UnitState.GATHERED
+
+    def drop_secondary(self) -> None:
+        for part in self.parts:
+            part.secondary = None
 
     def release(self) -> None:
         """The modules hold the shards; the whole tensors' memory goes back. A released unit's modules hold its shards

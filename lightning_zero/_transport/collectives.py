@@ -188,6 +188,27 @@ def all_gather(
             return Exchange(dist.batch_isend_irecv(ops), group)
 
 
+def exchange_rows(received: torch.Tensor, sent: torch.Tensor, group: ProcessGroup, label: int) -> Pending:
+    """An all-to-all: ``received[r]`` (``size`` rows) gets rank ``r``'s ``sent[me]``; counted as the reduce-scatter
+    whose chunks it carries (a rank sends each peer its row)."""
+    TRAFFIC.record("reduce_scatter", sent.nbytes, group)
+    activity.entered(label)
+    with torch.profiler.record_function("lightning_zero::exchange_rows"):
+        if not _point_to_point(group):
+            return dist.all_to_all_single(received, sent, group=group, async_op=True)
+        me = group.rank()
+        received[me].copy_(sent[me])
+        ops, tag = [], exchange_tag(label)
+        for peer in range(group.size()):
+            if peer != me:
+                ops.append(dist.P2POp(dist.isend, sent[peer], dist.get_global_rank(group, peer), group, tag))
+                ops.append(dist.P2POp(dist.irecv, received[peer], dist.get_global_rank(group, peer), group, tag))
+        if not ops:
+            return Exchange([], group)
+        with _naming_peers(group):
+            return Exchange(dist.batch_isend_irecv(ops), group)
+
+
 def meet(label: int, group: ProcessGroup) -> None:
     """A barrier of gloo's point-to-point messages (tagged :data:`MEET_TAG`, so that no collective pairs with them)
     where every rank of ``group`` says ``label``: ranks that are elsewhere fail here, on every rank alike, with

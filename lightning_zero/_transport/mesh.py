@@ -39,9 +39,20 @@ class DataParallelMesh:
         return self.world.size()
 
 
+@dataclass(frozen=True)
+class Split:
+    """A shard group split into parts of consecutive ranks (the ranks of a host): ``inner``, this rank's part;
+    ``across``, this rank and its counterparts (the same place in their part) in the other parts."""
+
+    inner: ProcessGroup
+    across: ProcessGroup
+
+
 # Per default process group (a test may destroy and create it again), device type and shard group size: groups are
 # created once, collectively, and reused by every later run of the process (each group opens its own channels).
 _MESHES: dict[tuple[ProcessGroup, str, int], DataParallelMesh] = {}
+# the same, per default process group, shard group size and part size
+_SPLITS: dict[tuple[ProcessGroup, int, int], Split] = {}
 # every mesh this package created and that still lives: those whose references to process groups it releases
 _CREATED: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
 
@@ -82,6 +93,26 @@ def data_parallel_mesh(device_type: str, shard_size: int) -> DataParallelMesh:
     return _MESHES[key]
 
 
+def split(shard_size: int, part_size: int) -> Split:
+    """Collective on first use: this rank's shard group (of ``shard_size`` consecutive ranks) split into parts of
+    ``part_size`` consecutive ranks, which must divide it."""
+    world = dist.group.WORLD
+    assert world is not None and shard_size % part_size == 0
+    key = (world, shard_size, part_size)
+    forget_stale_meshes()
+    if key not in _SPLITS:
+        timeout = group_timeout(world)
+        inner, across = [], []
+        for start in range(0, world.size(), shard_size):
+            inner += [list(range(s, s + part_size)) for s in range(start, start + shard_size, part_size)]
+            across += [list(range(start + o, start + shard_size, part_size)) for o in range(part_size)]
+        groups = {tuple(ranks): dist.new_group(ranks, timeout=timeout) for ranks in (*inner, *across)}
+        rank = world.rank()
+        mine = [groups[tuple(ranks)] for ranks in (*inner, *across) if rank in ranks]
+        _SPLITS[key] = Split(*mine)
+    return _SPLITS[key]
+
+
 def forget_stale_meshes() -> bool:
     """Drop the cached meshes of default process groups destroyed since (the default group is another one, or none);
     return whether there were any."""
@@ -89,6 +120,8 @@ def forget_stale_meshes() -> bool:
     stale = [key for key in _MESHES if key[0] is not world]
     for key in stale:
         del _MESHES[key]
+    for key in [key for key in _SPLITS if key[0] is not world]:
+        del _SPLITS[key]
     return bool(stale)
 
 
@@ -96,6 +129,7 @@ def forget_meshes() -> None:
     """Drop the cached meshes, and with them the references they hold to their process groups (once destroyed, a
     group lives on, with its threads, as long as anything refers to it)."""
     _MESHES.clear()
+    _SPLITS.clear()
 
 
 def shard_group_size(option: int | str | None, world_size: int, ranks_per_node: int) -> int:

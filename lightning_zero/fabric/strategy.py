@@ -58,7 +58,8 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             ``keep_for_backward_mb``, ``broadcast_buffers``, ``auto_wrap_policy``, ``activation_checkpointing``,
             ``master_weights``, ``reduce_dtype``, ``offload_optimizer``, ``offload_parameters``, ``offload_dir``,
             ``max_in_cpu``, ``prefetch_units``, ``page_cache``, ``pin_memory``, ``memory_report``, ``shard_group_size``,
-            ``state_dict_type``, ``sharded_on_one_device``, ``stall_after``.
+            ``quantize_weights``, ``quantize_gradients``, ``secondary_group_size``, ``state_dict_type``,
+            ``sharded_on_one_device``, ``stall_after``.
         deepspeed_config: a DeepSpeed config (JSON file path or dict) setting the options it maps to; see
             :meth:`from_deepspeed_config`.
 

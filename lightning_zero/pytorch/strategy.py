@@ -109,6 +109,12 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         shard_group_size: hybrid sharding: shard model states within groups of this many consecutive ranks
             (``"node"``: one group per node) and replicate them across groups, so that only ``1/group`` of the
             gradient bytes cross nodes and parameter gathers stay within a node. ``None``: shard across all ranks.
+        quantize_weights: stage 3 (ZeRO++): gathers of parameters across hosts send int8 with a scale per 256
+            elements, a quarter of fp32's bytes; the shards the optimizer steps stay exact.
+        quantize_gradients: stage 3 (ZeRO++): gradients reduced within each host at full precision, then
+            across hosts as int8 with error feedback (under hybrid sharding: each shard's all-reduce across groups).
+        secondary_group_size: stage 3 (ZeRO++): after its forward each unit stays sharded within groups of this many
+            ranks (``"node"``: a node's), so that its backward gathers within the group.
         state_dict_type: ``"sharded"`` (the default): checkpoints are directories in which each rank writes its own
             shards; ``"full"``: one ordinary checkpoint file, written by rank 0 from tensors gathered one at a time,
             which ``load_from_checkpoint`` and a plain ``Trainer`` read as they are (``FSDPStrategy``'s option).
@@ -146,6 +152,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
         pin_memory: bool = True,
         memory_report: bool = True,
         shard_group_size: int | Literal["node"] | None = None,
+        quantize_weights: bool = False,
+        quantize_gradients: bool = False,
+        secondary_group_size: int | Literal["node"] | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharded_on_one_device: bool = False,
         stall_after: float = 60.0,
@@ -182,6 +191,9 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             pin_memory=pin_memory,
             memory_report=memory_report,
             shard_group_size=shard_group_size,
+            quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients,
+            secondary_group_size=secondary_group_size,
             state_dict_type=state_dict_type,
             sharded_on_one_device=sharded_on_one_device,
             stall_after=stall_after,

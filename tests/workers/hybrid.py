@@ -1,7 +1,7 @@
 """Runs inside each of 4 processes simulating 2 nodes of 2 (tests/launch.py with ``nodes=2``), or 2 processes for the
 resume: ``argv`` the directory, whose payload names the :class:`~tests.scenarios.HybridPhase` to run. Trains under
-"ddp" and every stage with hybrid sharding, saves hybrid checkpoints, and writes what rank 0 ends with for
-tests/test_hybrid.py."""
+"ddp" and every stage with hybrid sharding, saves hybrid checkpoints, trains stage 3 with ZeRO++'s parts, and writes
+what rank 0 ends with for tests/test_hybrid.py and tests/test_zero_plus_plus.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,17 @@ from tests.oracle import full_snapshot
 from tests.scenarios import QUIET, HybridPhase, read_payload
 from tests.workers.modules import Classifier
 
-WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])
+# ZeRO++ on the same 2 nodes, each with stage 3: its parts alone and together, fully sharded and hybrid
+ZERO_PLUS_PLUS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "hybrid": {"shard_group_size": "node"},
+    "secondary": {"secondary_group_size": "node"},
+    "quantized_weights": {"quantize_weights": True},
+    "quantized_gradients": {"quantize_gradients": True},
+    "zero++": {"quantize_weights": True, "quantize_gradients": True, "secondary_group_size": "node"},
+    "hybrid_quantized": {"shard_group_size": "node", "quantize_gradients": True},
+}  # read now: Lightning's teardown removes it from the environment
 
 
 class Held(pl.Callback):
@@ -61,6 +71,12 @@ def main() -> None:
                 "timeouts": waits,
             }
             trainer.save_checkpoint(out / f"hybrid-zero{stage}")
+        for name, options in ZERO_PLUS_PLUS.items():
+            TRAFFIC.reset()
+            # units gathered again for backward (none kept whole), so that the secondary copy's gathers show
+            strategy = ZeroStrategy(stage=3, auto_wrap_policy={torch.nn.Linear}, keep_for_backward_mb=0, **options)
+            trainer = fit(strategy, 6, nodes=2)
+            results[name] = {**full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes)}
     elif phase is HybridPhase.RESUME:
         for stage in (1, 2, 3):
             other = 3 if stage < 3 else 2

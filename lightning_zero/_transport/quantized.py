@@ -1,0 +1,156 @@
+"""Collectives that send quantized values between hosts (ZeRO++): the rest of the package's collectives
+(:mod:`.collectives`) carry packed bytes (:mod:`.quantize`) and each rank dequantizes what it receives.
+
+- :func:`all_gather`: stage 3's gather of a unit's parameters across hosts. Every rank, this one included, uses the
+  dequantized rows, so the ranks compute with the same weights; the shards themselves (the masters) stay exact.
+- :func:`reduce_scatter_sum`: each rank sends its chunk for every peer quantized and sums what it receives in fp32, in
+  rank order, its own chunk exact.
+- :func:`hierarchical_reduce_scatter`: a reduce-scatter over ranks of several hosts, reduced first within each host at
+  full precision and then across hosts quantized, so only ``1 / ranks_per_host`` of the buffer crosses, quantized.
+- :func:`all_reduce_sum`: the all-reduce of hybrid sharding's shards across the shard groups, a quantized
+  reduce-scatter then a quantized all-gather; every rank ends with the same values.
+
+Each reduction takes an :class:`ErrorFeedback`: what quantizing a call site's values left out is added to what that
+call site sends next, so that the errors do not accumulate over steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from lightning_zero._transport import collectives as comm
+from lightning_zero._transport.mesh import Split
+from lightning_zero._transport.quantize import INT8, Format, dequantize, quantize
+
+WEIGHTS = INT8
+GRADIENTS = INT8
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What stage 3's collectives send between nodes quantized (ZeRO++), where the shard group spans nodes (or, for
+    gradients, where hybrid sharding's replicas do)."""
+
+    ranks_per_node: int = 1
+    weights: bool = False  # the gathers of parameters over the whole shard group
+    gradients: bool = False  # the reductions: by node (``by_host``), then across nodes; replicas' all-reduce
+    by_host: Split | None = None  # the shard group split by node, where gradients are quantized and it spans nodes
+
+    @property
+    def quantizes(self) -> bool:
+        return self.weights or self.gradients
+
+
+EXACT = Wire()  # nothing quantized
+
+
+class ErrorFeedback:
+    """One call site's quantization error, carried into its next exchange."""
+
+    def __init__(self) -> None:
+        self._residual: torch.Tensor | None = None
+
+    def quantize(self, rows: torch.Tensor, form: Format, exact_row: int | None = None) -> torch.Tensor:
+        """``rows`` (2-D, changed in place) with the last error added, packed; the new error kept (none for
+        ``exact_row``, which is not sent)."""
+        if self._residual is not None and self._residual.shape == rows.shape:
+            rows.add_(self._residual)
+        packed = quantize(rows, form)
+        residual = dequantize(packed, form, torch.empty_like(rows, dtype=torch.float32))
+        torch.sub(rows, residual, out=residual)
+        if exact_row is not None:
+            residual[exact_row].zero_()
+        self._residual = residual
+        return packed
+
+
+def all_gather(output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup, label: int) -> None:
+    """``output`` (``size`` rows) gets every rank's ``chunk``, sent as :data:`WEIGHTS`."""
+    packed = quantize(chunk.reshape(1, -1), WEIGHTS)
+    gathered = torch.empty(group.size(), packed.shape[1], dtype=torch.uint8, device=chunk.device)
+    comm.all_gather(gathered, packed[0], group, label).wait()
+    dequantize(gathered, WEIGHTS, output.view(group.size(), -1))
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor,
+    buffer: torch.Tensor,
+    group: ProcessGroup,
+    label: int,
+    feedback: ErrorFeedback,
+    exact_tail: int = 0,
+) -> None:
+    """``output`` gets the sum over ranks of this rank's chunk of ``buffer`` (``size`` chunks, which it may change),
+    the peers' chunks sent as :data:`GRADIENTS` but for the last ``exact_tail`` elements of each (counts that must
+    arrive exact); summed in fp32 in rank order."""
+    size, me = group.size(), group.rank()
+    rows = buffer.view(size, -1)
+    body = rows[:, : rows.shape[1] - exact_tail]
+    packed = feedback.quantize(body, GRADIENTS, exact_row=me)
+    tail = rows[:, body.shape[1] :].contiguous().view(torch.uint8)
+    sent = torch.cat((packed, tail), dim=1) if exact_tail else packed
+    received = torch.empty_like(sent)
+    comm.exchange_rows(received, sent, group, label).wait()
+    parts = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    dequantize(received[:, : packed.shape[1]], GRADIENTS, parts[:, : body.shape[1]])
+    if exact_tail:
+        parts[:, body.shape[1] :] = received[:, packed.shape[1] :].contiguous().view(rows.dtype)
+    parts[me].copy_(rows[me])
+    summed = parts[0]
+    for rank in range(1, size):
+        summed.add_(parts[rank])
+    output.copy_(summed)
+
+
+def hierarchical_reduce_scatter(
+    output: torch.Tensor,
+    buffer: torch.Tensor,
+    split: Split,
+    label: int,
+    feedback: ErrorFeedback,
+    exact_tail: int = 0,
+) -> None:
+    """``output`` gets the sum over the group's ranks of this rank's chunk of ``buffer`` (one chunk per rank, host by
+    host): reduced within the host exactly, then across the hosts quantized (but ``exact_tail``)."""
+    hosts, per_host = split.across.size(), split.inner.size()
+    # the chunks of this rank's counterparts on every host, next to each other: one row per place in a host
+    arranged = buffer.view(hosts, per_host, -1).transpose(0, 1).contiguous()
+    within = torch.empty(arranged.shape[1:], dtype=buffer.dtype, device=buffer.device)
+    comm.reduce_scatter_sum(within, arranged.view(-1), split.inner, label).wait()
+    reduce_scatter_sum(output, within.view(-1), split.across, label, feedback, exact_tail)
+
+
+class AcrossGroups:
+    """Hybrid sharding's all-reduce of a shard across the shard groups, quantized both ways (but the last
+    ``exact_tail`` elements of each piece); every group ends with the same values."""
+
+    def __init__(self) -> None:
+        self._scatter = ErrorFeedback()
+        self._gather = ErrorFeedback()
+
+    def all_reduce_sum(self, buffer: torch.Tensor, group: ProcessGroup, label: int, exact_tail: int = 0) -> None:
+        if exact_tail:  # counts, summed exactly on their own
+            tail = buffer.view(-1)[buffer.numel() - exact_tail :]
+            summed = tail.clone()
+            comm.all_reduce_sum(summed, group).wait()
+            self.all_reduce_sum(buffer.view(-1)[: buffer.numel() - exact_tail], group, label)
+            tail.copy_(summed)
+            return
+        size, numel = group.size(), buffer.numel()
+        padded = torch.nn.functional.pad(buffer.reshape(-1).float(), (0, -numel % size))
+        mine = torch.empty(padded.numel() // size, dtype=torch.float32, device=buffer.device)
+        reduce_scatter_sum(mine, padded, group, label, self._scatter)
+        packed = self._gather.quantize(mine.view(1, -1), GRADIENTS)
+        gathered = torch.empty(size, packed.shape[1], dtype=torch.uint8, device=buffer.device)
+        comm.all_gather(gathered, packed[0], group, label).wait()
+        dequantize(gathered, GRADIENTS, padded.view(size, -1))
+        buffer.view(-1).copy_(padded[:numel])
+
+
+def spans_hosts(group: ProcessGroup, ranks_per_node: int) -> bool:
+    """Whether ``group``'s ranks sit on more than one host (nodes of ``ranks_per_node`` consecutive ranks)."""
+    return len({rank // ranks_per_node for rank in dist.get_process_group_ranks(group)}) > 1
