@@ -21,7 +21,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CHARTS = REPO / "docs" / "assets" / "charts"
-COLORS = {"ddp": "#7f7f7f", "zero1": "#1f77b4", "zero2": "#ff7f0e", "zero3": "#2ca02c", "fsdp2": "#9467bd"}
+COLORS = {
+    "ddp": "#7f7f7f", "zero1": "#1f77b4", "zero2": "#ff7f0e", "zero3": "#2ca02c", "fsdp2": "#9467bd",
+    "hybrid": "#8c564b", "zero++": "#d62728",
+}  # fmt: skip
 DPI = 100
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from benchmarks import _charts
 from benchmarks.bench_infinity import DemoTransformer, demo_transformer
 from lightning_zero import ZeroStrategy
 from lightning_zero._transport.traffic import TRAFFIC
@@ -136,6 +137,29 @@ def table(rates: dict[float, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def chart(rates: dict[float, dict[str, Any]], path: Path, params: float) -> None:
+    """Seconds per step of each way at each rate, the MiB a rank sends to the other host per step over each bar."""
+    plt = _charts.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4.5), squeeze=False)
+    for axis, (rate, results) in zip(axes[0], rates.items(), strict=True):
+        names = list(results)
+        seconds = [results[n]["s_per_step"] for n in names]
+        bars = axis.bar(range(len(names)), seconds, color=[_charts.color(n) for n in names], edgecolor="black")
+        for bar, name in zip(bars, names, strict=True):
+            crossing = results[name]["crossing_per_step"]
+            if crossing is not None:
+                axis.annotate(f"{crossing / 2**20:.0f} MiB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                              ha="center", va="bottom", fontsize=7)  # fmt: skip
+        axis.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+        axis.set_ylabel("seconds per step (lower is better)")
+        axis.set_title(f"{rate:g} Gbit/s between 2 hosts of 2 ranks", fontsize=10)
+    figure.suptitle(f"demo Transformer, {params / 1e6:.1f} M parameters; over each bar: MiB a rank sends to the other"
+                    " host per step", fontsize=9)  # fmt: skip
+    _charts.save(figure, path, f"{_charts.cpu()} (hosts simulated by namespaces)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -147,9 +171,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--way", dest="ways", action="append", default=[], choices=list(WAYS), help="only these")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--results", type=Path, help="write the results as JSON here; with --redraw, read them")
+    parser.add_argument("--redraw", action="store_true", help="only the table and chart of --results")
+    _charts.add_chart_argument(parser, "network")
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    params = sum(p.numel() for p in demo_transformer(args.width, args.layers).parameters())
+    if args.redraw:
+        rates = {float(rate): results for rate, results in json.loads(args.results.read_text()).items()}
+        print("\n".join(table(rates)))
+        chart(rates, args.chart, params)
         return
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("tc") is None:
         raise SystemExit("bench_network needs root, `unshare` and `tc` (iproute2) to make the two hosts' network.")
@@ -157,8 +190,10 @@ def main() -> None:
     for rate in args.rates:
         with tempfile.TemporaryDirectory() as out:
             rates[rate] = run_rate(rate, args, Path(out))
+    if args.results is not None:
+        args.results.write_text(json.dumps(rates))
     print("\n".join(table(rates)))
-    params = sum(p.numel() for p in demo_transformer(args.width, args.layers).parameters())
+    chart(rates, args.chart, params)
     print(f"demo Transformer: {params / 1e6:.1f} M parameters, width {args.width}, {args.layers}+{args.layers}"
           f" layers; 2 hosts x 2 CPU ranks; {args.steps} steps, median after the first two")
 

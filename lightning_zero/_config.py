@@ -122,7 +122,7 @@ class ZeroConfig:
     optimizer steps (the masters) stay exact. Gathers within a host stay exact."""
 
     quantize_gradients: bool = False
-    """Stage 3 (ZeRO++'s quantized gradients): gradients are reduced within each host at full precision, then
+    """Stages 2 and 3 (ZeRO++'s quantized gradients): gradients are reduced within each host at full precision, then
     across hosts as int8 with a scale per 256 elements, the error of each exchange carried into the next (error
     feedback); under hybrid sharding, the all-reduce of each shard across the shard groups. Reductions within a host
     stay exact."""
@@ -360,11 +360,10 @@ def _check_zero_plus_plus(stage: Stage, given: dict[str, Any], parameters_offloa
             f"`quantize_weights=True` quantizes stage 3's gathers of parameters; stage {stage} keeps full parameters"
             " on every rank. HINT: use `Zero3Strategy` (or `stage=3`), or drop `quantize_weights`."
         )
-    if given["quantize_gradients"] is True and stage != Stage.PARAMETERS:
+    if given["quantize_gradients"] is True and stage == Stage.OPTIMIZER:
         raise ValueError(
-            f"`quantize_gradients=True` quantizes stage 3's gradient reductions; stage {stage}'s buckets carry each"
-            " rank's count of present gradients beside them, which must arrive exact. HINT: use `Zero3Strategy` (or"
-            " `stage=3`), or drop `quantize_gradients`."
+            "`quantize_gradients=True` quantizes the gradient reductions of stages 2 and 3; stage 1 all-reduces full"
+            " gradients. HINT: use `Zero2Strategy` or `Zero3Strategy`, or drop `quantize_gradients`."
         )
     size = given["secondary_group_size"]
     if size is None:

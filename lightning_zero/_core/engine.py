@@ -53,7 +53,8 @@ class EngineMode(Mode):
             dtypes = EnginePrecision.of(self.config, module, replaces_grad_scaler=grad_scaler_taken)
             reducer = reducer_for(self.config.stage)
             mesh, bucket_bytes = self._mesh(), self.config.bucket_bytes
-            self.engine = ZeroEngine(module, reducer, mesh, bucket_bytes, dtypes, self.placement)
+            wire, _ = self._zero_plus_plus(mesh)
+            self.engine = ZeroEngine(module, reducer, mesh, bucket_bytes, dtypes, self.placement, wire)
             # whatever loads whole tensors into the module (a checkpoint, the user's `load_state_dict`, torch's
             # `set_model_state_dict`) loads the masters the optimizer steps on too
             self._masters_follow = module.register_load_state_dict_post_hook(self._masters_from_module)

@@ -50,7 +50,8 @@ from lightning_zero._offload.placement import Placement
 from lightning_zero._transport import collectives as comm
 from lightning_zero._transport import peers
 from lightning_zero._transport.c10d_private import sync_module_states
-from lightning_zero._transport.mesh import DataParallelMesh, data_parallel_mesh, shard_group_size
+from lightning_zero._transport.mesh import DataParallelMesh, Split, data_parallel_mesh, shard_group_size, split
+from lightning_zero._transport.quantized import Wire, spans_hosts
 from lightning_zero._transport.traffic import TRAFFIC
 from lightning_zero._wrap import apply_activation_checkpointing
 from lightning_zero.memory import BufferHolder
@@ -260,6 +261,33 @@ class Mode:
     def _mesh(self) -> DataParallelMesh:
         """The shard groups of this run (collective on first use)."""
         return data_parallel_mesh(self.device.type, self.shard_size)
+
+
+    def _zero_plus_plus(self, mesh: DataParallelMesh) -> tuple[Wire, Split | None]:
+        """Collective (where groups are new): what crosses between nodes quantized, and the parts of the shard group
+        each unit stays sharded within after its forward (stage 3)."""
+        config, per_node = self.config, self.ranks_per_node
+        crosses = spans_hosts(mesh.shard_group, per_node)
+        by_host = None
+        if config.quantize_gradients and crosses:
+            if self.shard_size % per_node:
+                raise ValueError(
+                    f"`quantize_gradients=True` reduces within each node, then across nodes, and the shard groups of"
+                    f" {self.shard_size} ranks hold part of a node of {per_node}. HINT: make the shard groups whole"
+                    " nodes (`shard_group_size`), or drop `quantize_gradients`."
+                )
+            by_host = split(self.shard_size, per_node)
+        wire = Wire(per_node, config.quantize_weights, config.quantize_gradients, by_host)
+        option = config.secondary_group_size
+        if option is None:
+            return wire, None
+        size = per_node if option == "node" else int(option)
+        if self.shard_size % size:
+            raise ValueError(
+                f"`secondary_group_size={option!r}` makes groups of {size} ranks, which do not divide the shard group"
+                f" of {self.shard_size}. HINT: pass a divisor of the number of ranks, or 'node'."
+            )
+        return wire, (split(self.shard_size, size) if size < self.shard_size else None)
 
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's bucket size for the initial broadcast of rank 0's weights

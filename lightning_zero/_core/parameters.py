@@ -14,8 +14,6 @@ from torch.optim import Optimizer
 from lightning_zero._core.mode import Mode
 from lightning_zero._stage3.meta_init import MetaInit
 from lightning_zero._stage3.step import check_even_batches, check_plain_loss
-from lightning_zero._transport.mesh import DataParallelMesh, Split, split
-from lightning_zero._transport.quantized import Wire, spans_hosts
 
 
 class ParametersMode(Mode):
@@ -87,29 +85,3 @@ class ParametersMode(Mode):
         group = self._sync_group
         if group is not None:
             check_even_batches(counts, loop, group)
-
-    def _zero_plus_plus(self, mesh: DataParallelMesh) -> tuple[Wire, Split | None]:
-        """Collective (where groups are new): what crosses between nodes quantized, and the parts of the shard group
-        each unit stays sharded within after its forward."""
-        config, per_node = self.config, self.ranks_per_node
-        crosses = spans_hosts(mesh.shard_group, per_node)
-        by_host = None
-        if config.quantize_gradients and crosses:
-            if self.shard_size % per_node:
-                raise ValueError(
-                    f"`quantize_gradients=True` reduces within each node, then across nodes, and the shard groups of"
-                    f" {self.shard_size} ranks hold part of a node of {per_node}. HINT: make the shard groups whole"
-                    " nodes (`shard_group_size`), or drop `quantize_gradients`."
-                )
-            by_host = split(self.shard_size, per_node)
-        wire = Wire(per_node, config.quantize_weights, config.quantize_gradients, by_host)
-        option = config.secondary_group_size
-        if option is None:
-            return wire, None
-        size = per_node if option == "node" else int(option)
-        if self.shard_size % size:
-            raise ValueError(
-                f"`secondary_group_size={option!r}` makes groups of {size} ranks, which do not divide the shard group"
-                f" of {self.shard_size}. HINT: pass a divisor of the number of ranks, or 'node'."
-            )
-        return wire, (split(self.shard_size, size) if size < self.shard_size else None)

@@ -22,6 +22,7 @@ from lightning_zero._engine.reducers import GradientReducer
 from lightning_zero._engine.sharded_param import ShardedParam
 from lightning_zero._offload.placement import OnDevice, Placement
 from lightning_zero._transport.mesh import DataParallelMesh
+from lightning_zero._transport.quantized import EXACT, Wire
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class ZeroEngine:
         bucket_bytes: int,
         precision: EnginePrecision | None = None,
         placement: Placement | None = None,
+        wire: Wire = EXACT,
     ) -> None:
         self.group: ProcessGroup = mesh.shard_group
         shard_size = self.group.size()
@@ -119,7 +121,7 @@ class ZeroEngine:
         self.pool = BufferPool()
         # the shard group sees every shard; replicas hold the same reduced gradients, so they vote alike
         self.scaler = LossScaler(self.group) if precision.loss_scaling else None
-        self.reducer = reducer_cls(buckets, mesh, self.pool, precision.reduce_dtype, self.scaler)
+        self.reducer = reducer_cls(buckets, mesh, self.pool, precision.reduce_dtype, self.scaler, wire=wire)
         self.gatherer = ParamGatherer(buckets, self.group, self.pool)
         self.state = EngineState.ATTACHED
 

@@ -539,17 +539,21 @@ class ReduceScatterReducer(GradientReducer):
     def _reduce_scatter(self, bucket: Bucket, output: torch.Tensor) -> comm.Pending:
         """Within the shard group; where it spans nodes and gradients are quantized, by node and then across nodes,
         the presence flags exact."""
-        by_host = self.wire.by_host if self.wire.gradients else None
+        by_host = self.wire.by_host if self._quantizes(bucket) else None
         if by_host is None:
             return comm.reduce_scatter_sum(output, bucket.buffer, self.group, bucket.label)
         flags = bucket.layout.chunk_numel - bucket.layout.flags_offset
         feedback = self._feedback.setdefault(bucket.position, quantized.ErrorFeedback())
-        quantized.hierarchical_reduce_scatter(output, bucket.buffer, by_host, bucket.label, feedback, flags)
-        return comm.Exchange([], self.group)
+        return quantized.hierarchical_reduce_scatter(output, bucket.buffer, by_host, bucket.label, feedback, flags)
+
+    def _quantizes(self, bucket: Bucket) -> bool:
+        """Whether the bucket's gradients cross nodes quantized: not where it holds a replicated parameter, whose
+        copy in every rank's chunk must sum to the same value everywhere (each chunk is quantized on its own)."""
+        return self.wire.gradients and not any(s.spec.replicated for s in bucket.params)
 
     def _across_groups(self, bucket: Bucket) -> quantized.AcrossGroups | None:
-        """The bucket's quantized all-reduce across the shard groups, where gradients are quantized."""
-        if not self.wire.gradients:
+        """The bucket's quantized all-reduce across the shard groups, where it is quantized."""
+        if not self._quantizes(bucket):
             return None
         return self._replicated.setdefault(bucket.position, quantized.AcrossGroups())
 

@@ -205,7 +205,7 @@ class HostReduceScatter(ReduceScatter):  # type: ignore[misc]
             return
         if self._by_host is not None:
             by_host, feedback = self._by_host, self._feedback
-            quantized.hierarchical_reduce_scatter(output_tensor, input_tensor, by_host, self._label, feedback)
+            quantized.hierarchical_reduce_scatter(output_tensor, input_tensor, by_host, self._label, feedback).wait()
         else:
             comm.reduce_scatter_sum(output_tensor, input_tensor, group, self._label).wait()
         if op == dist.ReduceOp.AVG:

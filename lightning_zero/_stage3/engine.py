@@ -196,6 +196,8 @@ class Stage3Engine:
             if unit is self.root:
                 self._forwards += 1
             backward_comes = unit is not self.root and torch.is_grad_enabled() and self.phase is Phase.IDLE
+            if self.phase is Phase.IDLE:  # a secondary copy left by a forward whose backward never came may be stale
+                unit.drop_secondary()
             unit.gather(self.pool, self._channel, keep_secondary=backward_comes and unit not in self._kept)
             unit.hold_whole()
             if backward_comes:

@@ -188,14 +188,20 @@ def all_gather(
             return Exchange(dist.batch_isend_irecv(ops), group)
 
 
-def exchange_rows(received: torch.Tensor, sent: torch.Tensor, group: ProcessGroup, label: int) -> Pending:
-    """An all-to-all: ``received[r]`` (``size`` rows) gets rank ``r``'s ``sent[me]``; counted as the reduce-scatter
-    whose chunks it carries (a rank sends each peer its row)."""
+def exchange_rows(
+    received: torch.Tensor,
+    sent: torch.Tensor,
+    group: ProcessGroup,
+    label: int,
+    finish: Callable[[], None] | None = None,
+) -> Exchange:
+    """An all-to-all: ``received[r]`` (``size`` rows) gets rank ``r``'s ``sent[me]``, then ``finish`` runs (at the
+    wait); counted as the reduce-scatter whose chunks it carries (a rank sends each peer its row)."""
     TRAFFIC.record("reduce_scatter", sent.nbytes, group)
     activity.entered(label)
     with torch.profiler.record_function("lightning_zero::exchange_rows"):
         if not _point_to_point(group):
-            return dist.all_to_all_single(received, sent, group=group, async_op=True)
+            return Exchange([dist.all_to_all_single(received, sent, group=group, async_op=True)], group, finish)
         me = group.rank()
         received[me].copy_(sent[me])
         ops, tag = [], exchange_tag(label)
@@ -204,9 +210,9 @@ def exchange_rows(received: torch.Tensor, sent: torch.Tensor, group: ProcessGrou
                 ops.append(dist.P2POp(dist.isend, sent[peer], dist.get_global_rank(group, peer), group, tag))
                 ops.append(dist.P2POp(dist.irecv, received[peer], dist.get_global_rank(group, peer), group, tag))
         if not ops:
-            return Exchange([], group)
+            return Exchange([], group, finish)
         with _naming_peers(group):
-            return Exchange(dist.batch_isend_irecv(ops), group)
+            return Exchange(dist.batch_isend_irecv(ops), group, finish)
 
 
 def meet(label: int, group: ProcessGroup) -> None:

@@ -46,13 +46,16 @@ def quantize(rows: torch.Tensor, form: Format) -> torch.Tensor:
     per row."""
     count, numel = rows.shape
     blocks = -(-numel // BLOCK)
-    values = rows.float().contiguous()
+    values = rows.float()
     if blocks * BLOCK != numel:
         values = torch.nn.functional.pad(values, (0, blocks * BLOCK - numel))
-    values = values.view(count, blocks, BLOCK)
-    scales = values.abs().amax(dim=2, keepdim=True).div_(form.levels)
-    steps = torch.where(scales == 0, torch.ones_like(scales), scales)  # an all-zero block stays zero
-    levels = values.div(steps).round_().clamp_(-form.levels, form.levels).to(torch.int8).view(count, -1)
+    values = values.reshape(count, blocks, BLOCK)
+    # the largest magnitude without a tensor of magnitudes; NaN and infinity carry into the scale
+    absmax = torch.maximum(values.amax(dim=2, keepdim=True), values.amin(dim=2, keepdim=True).neg())
+    scales = absmax / form.levels
+    inverse = torch.where(absmax > 0, form.levels / absmax, torch.zeros_like(absmax))  # an all-zero block stays zero
+    # |value * inverse| <= levels by construction (a product one ulp above rounds to the level itself): no clamp
+    levels = torch.mul(values, inverse).round_().to(torch.int8).view(count, -1)
     packed = torch.empty(count, form.packed_bytes(numel), dtype=torch.uint8, device=rows.device)
     payload = blocks * BLOCK // form.per_byte
     if form.per_byte == 1:
@@ -76,6 +79,10 @@ def dequantize(packed: torch.Tensor, form: Format, out: torch.Tensor) -> torch.T
     else:
         low, high = packed[:, :payload] & 0x0F, packed[:, :payload] >> 4
         levels = torch.stack((low, high), dim=2).view(count, -1).to(torch.int8).sub_(8)
-    values = levels.view(count, blocks, BLOCK).float().mul_(scales).view(count, -1)
-    out.copy_(values[:, :numel])
+    levels = levels.view(count, blocks, BLOCK)
+    if numel == blocks * BLOCK and out.dtype == torch.float32 and out.is_contiguous():
+        in_place = out.view(count, blocks, BLOCK)  # no temporary: converted, then scaled, where it stays
+        in_place.copy_(levels).mul_(scales)
+        return out
+    out.copy_(levels.float().mul_(scales).view(count, -1)[:, :numel])
     return out

@@ -54,16 +54,13 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residual: torch.Tensor | None = None
 
-    def quantize(self, rows: torch.Tensor, form: Format, exact_row: int | None = None) -> torch.Tensor:
-        """``rows`` (2-D, changed in place) with the last error added, packed; the new error kept (none for
-        ``exact_row``, which is not sent)."""
+    def quantize(self, rows: torch.Tensor, form: Format) -> torch.Tensor:
+        """``rows`` (2-D, changed in place) with the last error added, packed; the new error kept."""
         if self._residual is not None and self._residual.shape == rows.shape:
             rows.add_(self._residual)
         packed = quantize(rows, form)
         residual = dequantize(packed, form, torch.empty_like(rows, dtype=torch.float32))
         torch.sub(rows, residual, out=residual)
-        if exact_row is not None:
-            residual[exact_row].zero_()
         self._residual = residual
         return packed
 
@@ -83,27 +80,36 @@ def reduce_scatter_sum(
     label: int,
     feedback: ErrorFeedback,
     exact_tail: int = 0,
-) -> None:
-    """``output`` gets the sum over ranks of this rank's chunk of ``buffer`` (``size`` chunks, which it may change),
-    the peers' chunks sent as :data:`GRADIENTS` but for the last ``exact_tail`` elements of each (counts that must
-    arrive exact); summed in fp32 in rank order."""
+) -> comm.Exchange:
+    """In flight: ``output`` gets the sum over ranks of this rank's chunk of ``buffer`` (``size`` chunks, which it may
+    change), the peers' chunks sent as :data:`GRADIENTS` but for the last ``exact_tail`` elements of each (counts that
+    must arrive exact); summed in fp32 in rank order at the wait. Only the rows sent are quantized."""
     size, me = group.size(), group.rank()
     rows = buffer.view(size, -1)
-    body = rows[:, : rows.shape[1] - exact_tail]
-    packed = feedback.quantize(body, GRADIENTS, exact_row=me)
-    tail = rows[:, body.shape[1] :].contiguous().view(torch.uint8)
-    sent = torch.cat((packed, tail), dim=1) if exact_tail else packed
-    received = torch.empty_like(sent)
-    comm.exchange_rows(received, sent, group, label).wait()
-    parts = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-    dequantize(received[:, : packed.shape[1]], GRADIENTS, parts[:, : body.shape[1]])
+    width = rows.shape[1] - exact_tail
+    others = [rank for rank in range(size) if rank != me]
+    sent_rows = rows[others, :width]  # a copy: the rows this rank sends
+    packed = feedback.quantize(sent_rows, GRADIENTS)
+    sent = torch.empty(size, packed.shape[1] + exact_tail * rows.dtype.itemsize, dtype=torch.uint8, device=rows.device)
+    sent[others, : packed.shape[1]] = packed
     if exact_tail:
-        parts[:, body.shape[1] :] = received[:, packed.shape[1] :].contiguous().view(rows.dtype)
-    parts[me].copy_(rows[me])
-    summed = parts[0]
-    for rank in range(1, size):
-        summed.add_(parts[rank])
-    output.copy_(summed)
+        sent[:, packed.shape[1] :] = rows[:, width:].contiguous().view(torch.uint8)
+    received = torch.empty_like(sent)
+    mine = rows[me].clone()
+
+    def finish() -> None:
+        parts = torch.empty(size, rows.shape[1], dtype=torch.float32, device=rows.device)
+        # (indexed by a list of rows, a tensor is a copy: filled, then put in place)
+        parts[others, :width] = dequantize(received[others, : packed.shape[1]], GRADIENTS, torch.empty_like(sent_rows))
+        if exact_tail:
+            parts[others, width:] = received[others, packed.shape[1] :].contiguous().view(rows.dtype).float()
+        parts[me] = mine
+        summed = parts[0]
+        for rank in range(1, size):
+            summed.add_(parts[rank])
+        output.copy_(summed)
+
+    return comm.exchange_rows(received, sent, group, label, finish)
 
 
 def hierarchical_reduce_scatter(
@@ -113,15 +119,17 @@ def hierarchical_reduce_scatter(
     label: int,
     feedback: ErrorFeedback,
     exact_tail: int = 0,
-) -> None:
-    """``output`` gets the sum over the group's ranks of this rank's chunk of ``buffer`` (one chunk per rank, host by
-    host): reduced within the host exactly, then across the hosts quantized (but ``exact_tail``)."""
+) -> comm.Exchange:
+    """In flight: ``output`` gets the sum over the group's ranks of this rank's chunk of ``buffer`` (one chunk per
+    rank, host by host): reduced within the host exactly (done on return), then across the hosts quantized (but
+    ``exact_tail``)."""
     hosts, per_host = split.across.size(), split.inner.size()
     # the chunks of this rank's counterparts on every host, next to each other: one row per place in a host
     arranged = buffer.view(hosts, per_host, -1).transpose(0, 1).contiguous()
     within = torch.empty(arranged.shape[1:], dtype=buffer.dtype, device=buffer.device)
     comm.reduce_scatter_sum(within, arranged.view(-1), split.inner, label).wait()
-    reduce_scatter_sum(output, within.view(-1), split.across, label, feedback, exact_tail)
+    del arranged
+    return reduce_scatter_sum(output, within.view(-1), split.across, label, feedback, exact_tail)
 
 
 class AcrossGroups:
@@ -143,7 +151,7 @@ class AcrossGroups:
         size, numel = group.size(), buffer.numel()
         padded = torch.nn.functional.pad(buffer.reshape(-1).float(), (0, -numel % size))
         mine = torch.empty(padded.numel() // size, dtype=torch.float32, device=buffer.device)
-        reduce_scatter_sum(mine, padded, group, label, self._scatter)
+        reduce_scatter_sum(mine, padded, group, label, self._scatter).wait()
         packed = self._gather.quantize(mine.view(1, -1), GRADIENTS)
         gathered = torch.empty(size, packed.shape[1], dtype=torch.uint8, device=buffer.device)
         comm.all_gather(gathered, packed[0], group, label).wait()

@@ -111,7 +111,7 @@ class ZeroStrategy(ZeroFrontEnd, DDPStrategy):
             gradient bytes cross nodes and parameter gathers stay within a node. ``None``: shard across all ranks.
         quantize_weights: stage 3 (ZeRO++): gathers of parameters across hosts send int8 with a scale per 256
             elements, a quarter of fp32's bytes; the shards the optimizer steps stay exact.
-        quantize_gradients: stage 3 (ZeRO++): gradients reduced within each host at full precision, then
+        quantize_gradients: stages 2 and 3 (ZeRO++): gradients reduced within each host at full precision, then
             across hosts as int8 with error feedback (under hybrid sharding: each shard's all-reduce across groups).
         secondary_group_size: stage 3 (ZeRO++): after its forward each unit stays sharded within groups of this many
             ranks (``"node"``: a node's), so that its backward gathers within the group.

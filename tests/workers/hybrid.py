@@ -23,17 +23,24 @@ from tests.oracle import full_snapshot
 from tests.scenarios import QUIET, HybridPhase, read_payload
 from tests.workers.modules import Classifier
 
-WORLD_SIZE = int(os.environ["WORLD_SIZE"])
-# ZeRO++ on the same 2 nodes, each with stage 3: its parts alone and together, fully sharded and hybrid
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
+# ZeRO++ on the same 2 nodes: its parts alone and together, fully sharded and hybrid; stage 3's units (one per
+# Linear) gathered again for backward (none kept whole), so that the secondary copy's gathers show
+_UNITS = {"stage": 3, "auto_wrap_policy": {torch.nn.Linear}, "keep_for_backward_mb": 0}
 ZERO_PLUS_PLUS: dict[str, dict[str, Any]] = {
-    "full": {},
-    "hybrid": {"shard_group_size": "node"},
-    "secondary": {"secondary_group_size": "node"},
-    "quantized_weights": {"quantize_weights": True},
-    "quantized_gradients": {"quantize_gradients": True},
-    "zero++": {"quantize_weights": True, "quantize_gradients": True, "secondary_group_size": "node"},
-    "hybrid_quantized": {"shard_group_size": "node", "quantize_gradients": True},
-}  # read now: Lightning's teardown removes it from the environment
+    "full": _UNITS,
+    "hybrid": {**_UNITS, "shard_group_size": "node"},
+    "secondary": {**_UNITS, "secondary_group_size": "node"},
+    "quantized_weights": {**_UNITS, "quantize_weights": True},
+    "quantized_gradients": {**_UNITS, "quantize_gradients": True},
+    "zero++": {**_UNITS, "quantize_weights": True, "quantize_gradients": True, "secondary_group_size": "node"},
+    "hybrid_quantized": {**_UNITS, "shard_group_size": "node", "quantize_gradients": True},
+    # stage 2 in buckets of about a parameter each: the one holding the 0-dim temperature reduces exactly
+    "full2": {"stage": 2, "bucket_cap_mb": 0.001},
+    "hybrid2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node"},
+    "quantized_gradients2": {"stage": 2, "bucket_cap_mb": 0.001, "quantize_gradients": True},
+    "hybrid_quantized2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node", "quantize_gradients": True},
+}
 
 
 class Held(pl.Callback):
@@ -73,9 +80,7 @@ def main() -> None:
             trainer.save_checkpoint(out / f"hybrid-zero{stage}")
         for name, options in ZERO_PLUS_PLUS.items():
             TRAFFIC.reset()
-            # units gathered again for backward (none kept whole), so that the secondary copy's gathers show
-            strategy = ZeroStrategy(stage=3, auto_wrap_policy={torch.nn.Linear}, keep_for_backward_mb=0, **options)
-            trainer = fit(strategy, 6, nodes=2)
+            trainer = fit(ZeroStrategy(**options), 6, nodes=2)
             results[name] = {**full_snapshot(trainer), "across_nodes": dict(TRAFFIC.across_nodes)}
     elif phase is HybridPhase.RESUME:
         for stage in (1, 2, 3):
