@@ -267,6 +267,13 @@ class Mode:
         """Collective (where groups are new): what crosses between nodes quantized, and the parts of the shard group
         each unit stays sharded within after its forward (stage 3)."""
         config, per_node = self.config, self.ranks_per_node
+        backend = dist.get_backend(mesh.world)
+        if (config.quantize_weights or config.quantize_gradients) and backend != "gloo":
+            raise ValueError(
+                f"`quantize_weights` and `quantize_gradients` run on gloo (CPU ranks) in this release, not on"
+                f" {backend!r}. HINT: drop them; hybrid sharding (`shard_group_size='node'`) keeps gathers off the"
+                " links between nodes."
+            )
         crosses = spans_hosts(mesh.shard_group, per_node)
         by_host = None
         if config.quantize_gradients and crosses:

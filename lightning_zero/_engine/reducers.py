@@ -446,8 +446,11 @@ class ReduceScatterReducer(GradientReducer):
         return bucket.layout.chunks(bucket.buffer)
 
     def _take_input(self, bucket: Bucket) -> None:
-        """The bucket's input for this backward, from the pool, and its slots in it."""
+        """The bucket's input for this backward, from the pool, and its slots in it. Quantized, its padding is zero:
+        what a pooled buffer held before would take part in its blocks' scales."""
         bucket.buffer = self.pool.acquire(bucket.layout.numel, bucket.dtype, bucket.device)
+        if self._quantizes(bucket):
+            bucket.buffer.zero_()
         bucket.slots = self.pool.derived(bucket.buffer, bucket, self._make_slots(bucket))
 
     def _make_slots(self, bucket: Bucket) -> Callable[[torch.Tensor], list[torch.Tensor | list[torch.Tensor]]]:

@@ -54,12 +54,11 @@ def install(
             module.set_all_reduce_hook(AcrossReplicas(replicas, wire.gradients))
     if group.size() == 1:
         return None
-    if wire.quantizes and (dist.get_backend(group) != "gloo" or not CUSTOM_COLLECTIVES):
+    if wire.quantizes and not CUSTOM_COLLECTIVES:  # on gloo: the mode refused other backends
         raise ValueError(
-            f"`quantize_weights` and `quantize_gradients` replace stage 3's collectives, which torch"
-            f" {torch.__version__} lets this package do on gloo (CPU ranks) only, not on"
-            f" {dist.get_backend(group)!r}. HINT: drop them (hybrid sharding, `shard_group_size='node'`, keeps"
-            " gathers off the links between nodes), or run a torch that has `set_custom_all_gather`."
+            f"`quantize_weights` and `quantize_gradients` replace `fully_shard`'s collectives, which torch"
+            f" {torch.__version__} does not let this package do with offloaded stage 3. HINT: drop them, or keep"
+            " stage 3 on the device (no `offload_optimizer`, no `offload_parameters`), or run a newer torch."
         )
     root = fsdp_modules[-1]
     paths = {module: path for path, module in root.named_modules()}

@@ -304,7 +304,7 @@ def secondary_groups(
             " the contract item 'secondary copy'. HINT: use a torch release within the range lightning_zero"
             " declares, or drop `secondary_group_size`."
         )
-    mesh = DeviceMesh.from_group([across, inner], device_type, mesh=ranks)
+    mesh = DeviceMesh.from_group([across, inner], device_type, mesh=ranks, mesh_dim_names=("parts", "part"))
     info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
     def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:

@@ -57,10 +57,17 @@ class Exchange:
     """In-flight gloo work of ``group``: point-to-point messages, or an all-reduce. ``wait`` finishes it, summing
     received chunks where it reduces; a peer that stalled or failed is named in the error."""
 
-    def __init__(self, works: list[Work], group: ProcessGroup, finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: list[Work],
+        group: ProcessGroup,
+        finish: Callable[[], None] | None = None,
+        holds: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         self._works = works
         self._group = group
         self._finish = finish
+        self._holds = holds  # what the messages read and write, which gloo's work does not keep alive
 
     def wait(self) -> bool:
         with _naming_peers(self._group):
@@ -70,6 +77,7 @@ class Exchange:
             with torch.profiler.record_function("lightning_zero::sum_received_chunks"):
                 self._finish()
             self._finish = None
+        self._holds = ()
         return True
 
 
@@ -201,7 +209,8 @@ def exchange_rows(
     activity.entered(label)
     with torch.profiler.record_function("lightning_zero::exchange_rows"):
         if not _point_to_point(group):
-            return Exchange([dist.all_to_all_single(received, sent, group=group, async_op=True)], group, finish)
+            work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+            return Exchange([work], group, finish, holds=(sent, received))
         me = group.rank()
         received[me].copy_(sent[me])
         ops, tag = [], exchange_tag(label)
@@ -212,7 +221,7 @@ def exchange_rows(
         if not ops:
             return Exchange([], group, finish)
         with _naming_peers(group):
-            return Exchange(dist.batch_isend_irecv(ops), group, finish)
+            return Exchange(dist.batch_isend_irecv(ops), group, finish, holds=(sent, received))
 
 
 def meet(label: int, group: ProcessGroup) -> None:

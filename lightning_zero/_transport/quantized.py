@@ -127,7 +127,7 @@ def hierarchical_reduce_scatter(
     # the chunks of this rank's counterparts on every host, next to each other: one row per place in a host
     arranged = buffer.view(hosts, per_host, -1).transpose(0, 1).contiguous()
     within = torch.empty(arranged.shape[1:], dtype=buffer.dtype, device=buffer.device)
-    comm.reduce_scatter_sum(within, arranged.view(-1), split.inner, label).wait()
+    comm.reduce_scatter_sum(within.view(-1), arranged.view(-1), split.inner, label).wait()
     del arranged
     return reduce_scatter_sum(output, within.view(-1), split.across, label, feedback, exact_tail)
 

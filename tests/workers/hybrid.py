@@ -35,11 +35,20 @@ ZERO_PLUS_PLUS: dict[str, dict[str, Any]] = {
     "quantized_gradients": {**_UNITS, "quantize_gradients": True},
     "zero++": {**_UNITS, "quantize_weights": True, "quantize_gradients": True, "secondary_group_size": "node"},
     "hybrid_quantized": {**_UNITS, "shard_group_size": "node", "quantize_gradients": True},
+    # on `fully_shard` (the optimizer offloaded): its own collectives replaced, the secondary copy through torch's
+    "full_offload": {**_UNITS, "offload_optimizer": True},
+    "secondary_offload": {**_UNITS, "offload_optimizer": True, "secondary_group_size": "node"},
+    "zero++_offload": {
+        **_UNITS, "offload_optimizer": True, "quantize_weights": True, "quantize_gradients": True,
+        "secondary_group_size": "node",
+    },
     # stage 2 in buckets of about a parameter each: the one holding the 0-dim temperature reduces exactly
     "full2": {"stage": 2, "bucket_cap_mb": 0.001},
     "hybrid2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node"},
     "quantized_gradients2": {"stage": 2, "bucket_cap_mb": 0.001, "quantize_gradients": True},
     "hybrid_quantized2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node", "quantize_gradients": True},
+    # the same run again, with buffers from the pool the first one used
+    "quantized_gradients2_again": {"stage": 2, "bucket_cap_mb": 0.001, "quantize_gradients": True},
 }
 
 
