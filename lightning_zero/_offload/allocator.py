@@ -18,7 +18,7 @@ init context allocates each parameter's ``torch.empty`` storage (never written) 
 lazy, so with the threshold risen the heap grows by the model's size in untouched pages; fixing the threshold then
 leaves that space in the heap, where malloc still serves large requests from free space before it maps any, and
 setting up and stepping touch more of it with each unit (a 192-layer stack of ``Linear(1024)`` on 2 ranks: a heap
-of 905 MiB, 745 of them free, after building; 716 MiB of anonymous memory after set-up and 836 after the first
+of 905 MiB, 745 of them free, after building; up to 719 MiB of anonymous memory after set-up and 840 after the first
 step, against 338 and 364 with the threshold fixed first).
 """
 
