@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero._auto.budget import Budget
-from lightning_zero._auto.candidates import Candidate, Working, Workload, needs
+from lightning_zero._auto.candidates import TENSOR_OBJECTS, Candidate, Working, Workload, needs
 from lightning_zero._auto.choice import (
     RESERVE_FLOOR,
     AutoChoiceError,
@@ -232,7 +232,9 @@ def test_the_working_buffers_follow_the_units_and_buckets() -> None:
     zero3_offload's prefetched one, ZeRO-Infinity's read ahead) with the gather ring on a host of several ranks."""
     config = ZeroConfig.from_options(stage=3, bucket_cap_mb=1 / 1024, keep_for_backward_mb=10 / 1024)
     working = _working(Blocks(), config)
-    assert working == Working(largest_unit=10_100, root_params=2_010, bucket_bytes=1024, keep_bytes=10 * 1024)
+    assert working == Working(
+        largest_unit=10_100, root_params=2_010, bucket_bytes=1024, keep_bytes=10 * 1024, parameter_tensors=9
+    )
     params = 3 * 10_100 + 2_010
     workload = Workload(params, params, "32-true", False, "adam", num_ranks=2, working=working)
     stepped, staging, unit, root = 4 * params // 2, 2 * 1024, 4 * 10_100, 4 * 2_010
@@ -268,12 +270,31 @@ def test_on_cpu_ranks_only_a_fused_host_step_needs_no_temporaries(optimizer: str
     workload = Workload(params, params, "32-true", False, optimizer, num_ranks=2, working=_working(Blocks(), config))
     staging, unit, root, ring = 2 * 1024, 4 * 10_100, 4 * 2_010, 3 * 4 * 10_100
     stepped, host_stepped = 4 * params // 2, on_host * params // 2
+    objects = 9 * TENSOR_OBJECTS  # stage 3's, beside each of Blocks' parameter tensors
     by_name = {c.label: n.working for c, n in needs(workload, on_cpu=True).items()}
     assert by_name == {
         "zero1": stepped + staging,
         "zero2": stepped + staging,
         "zero2_offload": host_stepped + staging,
-        "zero3": stepped + staging + root + unit + ring,
-        "zero3_offload": host_stepped + staging + root + 2 * unit + ring,
-        "zero3_infinity": on_host * 10_100 // 2 + staging + root + 4 * unit + ring,
+        "zero3": stepped + staging + root + unit + ring + objects,
+        "zero3_offload": host_stepped + staging + root + 2 * unit + ring + objects,
+        "zero3_infinity": on_host * 10_100 // 2 + staging + root + 4 * unit + ring + objects,
     }
+
+
+def test_stage_3_counts_its_objects_beside_each_parameter_tensor_on_cpu_ranks() -> None:
+    """A model of many small parameter tensors (5,000 of 200 elements): on CPU ranks stage 3's objects beside each
+    (``TENSOR_OBJECTS``, 312 MiB here) are what its ZeRO-Infinity needs in memory, far beyond its state, and the choice
+    refuses a budget its state alone fits; beside a GPU they are host memory, not the device's."""
+    params = 5_000 * 200
+    working = Working(largest_unit=200, root_params=0, bucket_bytes=1024, keep_bytes=0, parameter_tensors=5_000)
+    workload = Workload(params, params, "32-true", False, "adam", num_ranks=2, working=working)
+    infinity = needs(workload, on_cpu=True)[Candidate.ZERO3_INFINITY]
+    assert infinity.memory(on_cpu=True) > 5_000 * TENSOR_OBJECTS > 300 * 2**20
+    state_only = replace(workload, working=replace(working, parameter_tensors=0))
+    budget = cpu(needs(state_only, on_cpu=True)[Candidate.ZERO3_INFINITY].memory(on_cpu=True))
+    assert decide(state_only, budget, NO_RESERVE).name == "zero3_infinity"
+    with pytest.raises(AutoChoiceError, match="no candidate that fits"):
+        decide(workload, budget, NO_RESERVE)
+    on_gpu = needs(workload)[Candidate.ZERO3_INFINITY]
+    assert on_gpu.memory(on_cpu=False) == needs(state_only)[Candidate.ZERO3_INFINITY].memory(on_cpu=False)

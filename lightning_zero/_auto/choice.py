@@ -181,7 +181,7 @@ class AutoChoice:
         if w.working is not None:
             room += (
                 f"; {where[0]} per rank includes the step's working buffers (largest unit {w.working.largest_unit:,}"
-                f" parameters, root {w.working.root_params:,})"
+                f" parameters, root {w.working.root_params:,}; {w.working.parameter_tensors:,} parameter tensors)"
             )
         model = (
             f"{w.num_params:,} parameters ({w.trainable_params:,} trainable), precision {w.precision}, optimizer"

@@ -170,7 +170,8 @@ def _working(module: nn.Module, config: ZeroConfig) -> Working:
         taken.update(id(p) for p in params)
         largest = max(largest, sum(p.numel() for p in params))
     root = sum(p.numel() for p in module.parameters() if id(p) not in taken)
-    return Working(largest, root, config.bucket_bytes, config.keep_for_backward_bytes, config.prefetch_units)
+    tensors = sum(1 for _ in module.parameters())
+    return Working(largest, root, config.bucket_bytes, config.keep_for_backward_bytes, config.prefetch_units, tensors)
 
 
 def _as_meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,7 @@ class ParameterFiles:
     """The shards of a ``fully_shard``-ed module's units in files under ``directory`` (see the module)."""
 
     def __init__(self, directory: Path, max_in_cpu: int, prefetch: int, writeback: Writeback) -> None:
+        return_large_blocks()  # before the module is built: else the allocator's heaps keep what building took
         self.directory = directory
         self.writeback = writeback
         self.max_in_cpu = max_in_cpu
@@ -146,7 +147,6 @@ class ParameterFiles:
         shards go to files (all but the first in ``root``'s module order whose shards fit in ``max_in_cpu``
         elements), each to move as soon as its parameters built without values (meta) have theirs (:meth:`filled`),
         the rest when all have (:meth:`adopt`)."""
-        return_large_blocks()  # else the allocator's heaps keep what each unit's tensors took (see its module)
         order = {module: index for index, module in enumerate(root.modules())}
         paths = {module: path for path, module in root.named_modules()}
         kept = 0

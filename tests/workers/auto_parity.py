@@ -26,7 +26,8 @@ from tests.workers.modules import Classifier
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read now: Lightning's teardown removes it from the environment
 # the classifier's 3,483 fp32 parameters with Adam on 2 CPU ranks, its model state and working buffers per rank:
 # zero2_offload 48,762 bytes (the host step is fused: no temporaries), zero2 55,730, zero1 62,696 (zero3 as zero1: all
-# of it is the root); without offload, room for stage 2 and not stage 1
+# of it is the root; and 64 KiB beside each of its 10 parameter tensors); without offload, room for stage 2 and not
+# stage 1
 ROOM_FOR_STAGE_2 = 60_000
 STEPS = 6
 
