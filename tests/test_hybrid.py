@@ -26,7 +26,7 @@ WORKER = "tests.workers.hybrid"
 # a rank's share or a node's (losses then differ by several percent).
 QUANTIZED_LOSS = 1.5e-2
 QUANTIZED = ("quantized_weights", "quantized_gradients", "zero++", "hybrid_quantized", "quantized_gradients2",
-             "hybrid_quantized2", "zero++_offload")  # fmt: skip
+             "hybrid_quantized2", "zero++_offload", "deepspeed_zero++")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,7 @@ def test_quantized_bytes_across_nodes(runs: dict[str, Any]) -> None:
     assert crossing["quantized_gradients"]["reduce_scatter"] < 0.25 * plain["reduce_scatter"]
     assert crossing["quantized_gradients"]["all_gather"] == plain["all_gather"]
     assert sum(crossing["zero++"].values()) < 0.3 * sum(plain.values())
+    assert crossing["deepspeed_zero++"] == crossing["zero++"]  # DeepSpeed's three keys acted on, as the options
     assert sum(crossing["hybrid_quantized"].values()) < 0.5 * sum(crossing["hybrid"].values())
     # stage 2 here: a bucket per parameter, each rank's chunk of one padded to a block of 256 (measured: 0.31)
     assert crossing["quantized_gradients2"]["reduce_scatter"] < 0.4 * plain2["reduce_scatter"]

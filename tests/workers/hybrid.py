@@ -47,6 +47,13 @@ ZERO_PLUS_PLUS: dict[str, dict[str, Any]] = {
     "hybrid2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node"},
     "quantized_gradients2": {"stage": 2, "bucket_cap_mb": 0.001, "quantize_gradients": True},
     "hybrid_quantized2": {"stage": 2, "bucket_cap_mb": 0.001, "shard_group_size": "node", "quantize_gradients": True},
+    # DeepSpeed's ZeRO++ keys as its tutorial sets them (the secondary partition: the ranks of a node)
+    "deepspeed_zero++": {
+        "auto_wrap_policy": {torch.nn.Linear}, "keep_for_backward_mb": 0,
+        "deepspeed_config": {"zero_optimization": {
+            "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+        }},
+    },
     # the same run again, with buffers from the pool the first one used
     "quantized_gradients2_again": {"stage": 2, "bucket_cap_mb": 0.001, "quantize_gradients": True},
 }
