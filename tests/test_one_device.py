@@ -157,10 +157,10 @@ def test_units_kept_from_forward_to_backward(keep_mb: float, monkeypatch: pytest
     gathers: Counter[str] = Counter()
     gather = Unit.gather
 
-    def counted(unit: Unit, *args: Any) -> None:
+    def counted(unit: Unit, *args: Any, **kwargs: Any) -> None:
         if unit.state is UnitState.RELEASED:
             gathers[unit.path] += 1
-        gather(unit, *args)
+        gather(unit, *args, **kwargs)
 
     class CountTraining(pl.Callback):
         def on_train_start(self, *_: Any) -> None:  # not the sanity check's evaluation
