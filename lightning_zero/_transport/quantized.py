@@ -3,11 +3,11 @@
 
 - :func:`all_gather`: stage 3's gather of a unit's parameters across hosts. Every rank, this one included, uses the
   dequantized rows, so the ranks compute with the same weights; the shards themselves (the masters) stay exact.
-- :func:`reduce_scatter_sum`: each rank sends its chunk for every peer quantized and sums what it receives in fp32, in
-  rank order, its own chunk exact.
+- :func:`reduce_scatter_sum`: each rank sends its chunk for every peer quantized (an all-to-all, in flight until its
+  wait) and sums what it receives in fp32, in rank order, its own chunk exact.
 - :func:`hierarchical_reduce_scatter`: a reduce-scatter over ranks of several hosts, reduced first within each host at
   full precision and then across hosts quantized, so only ``1 / ranks_per_host`` of the buffer crosses, quantized.
-- :func:`all_reduce_sum`: the all-reduce of hybrid sharding's shards across the shard groups, a quantized
+- :class:`AcrossGroups`: the all-reduce of hybrid sharding's shards across the shard groups, a quantized
   reduce-scatter then a quantized all-gather; every rank ends with the same values.
 
 Each reduction takes an :class:`ErrorFeedback`: what quantizing a call site's values left out is added to what that
@@ -32,8 +32,8 @@ GRADIENTS = INT8
 
 @dataclass(frozen=True)
 class Wire:
-    """What stage 3's collectives send between nodes quantized (ZeRO++), where the shard group spans nodes (or, for
-    gradients, where hybrid sharding's replicas do)."""
+    """What the collectives of stages 2 and 3 send between nodes quantized (ZeRO++), where the shard group spans nodes
+    (or, for gradients, where hybrid sharding's replicas do)."""
 
     ranks_per_node: int = 1
     weights: bool = False  # the gathers of parameters over the whole shard group
