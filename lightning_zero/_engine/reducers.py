@@ -531,10 +531,9 @@ class ReduceScatterReducer(GradientReducer):
             replicas, across = self.replicas, self._across_groups(bucket)
             if across is None:
                 bucket.work = comm.Chained(bucket.work, [lambda: comm.all_reduce_sum(output, replicas)])
-            else:
-                bucket.work.wait()
-                flags = bucket.layout.chunk_numel - bucket.layout.flags_offset
-                across.all_reduce_sum(output, replicas, bucket.label, flags)
+            else:  # at the bucket's wait, as the exact all-reduce
+                flags, label = bucket.layout.chunk_numel - bucket.layout.flags_offset, bucket.label
+                bucket.work = comm.Chained(bucket.work, [lambda: across.all_reduce_sum(output, replicas, label, flags)])
         # Bound the staging memory: the bucket launched two before this one must have released its input.
         if bucket.position >= 2:
             self._wait(self.buckets[bucket.position - 2])

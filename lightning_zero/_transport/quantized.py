@@ -140,14 +140,17 @@ class AcrossGroups:
         self._scatter = ErrorFeedback()
         self._gather = ErrorFeedback()
 
-    def all_reduce_sum(self, buffer: torch.Tensor, group: ProcessGroup, label: int, exact_tail: int = 0) -> None:
+    def all_reduce_sum(
+        self, buffer: torch.Tensor, group: ProcessGroup, label: int, exact_tail: int = 0
+    ) -> comm.Exchange:
+        """``buffer`` summed over ``group``, done on return (a finished exchange, for a chain of them)."""
         if exact_tail:  # counts, summed exactly on their own
             tail = buffer.view(-1)[buffer.numel() - exact_tail :]
             summed = tail.clone()
             comm.all_reduce_sum(summed, group).wait()
             self.all_reduce_sum(buffer.view(-1)[: buffer.numel() - exact_tail], group, label)
             tail.copy_(summed)
-            return
+            return comm.Exchange([], group)
         size, numel = group.size(), buffer.numel()
         padded = torch.nn.functional.pad(buffer.reshape(-1).float(), (0, -numel % size))
         mine = torch.empty(padded.numel() // size, dtype=torch.float32, device=buffer.device)
@@ -157,6 +160,7 @@ class AcrossGroups:
         comm.all_gather(gathered, packed[0], group, label).wait()
         dequantize(gathered, GRADIENTS, padded.view(size, -1))
         buffer.view(-1).copy_(padded[:numel])
+        return comm.Exchange([], group)
 
 
 def spans_hosts(group: ProcessGroup, ranks_per_node: int) -> bool:
