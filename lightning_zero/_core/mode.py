@@ -262,7 +262,6 @@ class Mode:
         """The shard groups of this run (collective on first use)."""
         return data_parallel_mesh(self.device.type, self.shard_size)
 
-
     def _zero_plus_plus(self, mesh: DataParallelMesh) -> tuple[Wire, Split | None]:
         """Collective (where groups are new): what crosses between nodes quantized, and the parts of the shard group
         each unit stays sharded within after its forward (stage 3)."""

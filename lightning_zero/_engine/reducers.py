@@ -167,6 +167,11 @@ class GradientReducer:
         self.group = mesh.shard_group  # shards are split over these ranks
         self.replicas = mesh.replicate  # hybrid sharding: reduced shards are then summed across the groups
         self.wire = wire
+        # the buckets whose gradients cross nodes quantized: not one holding a replicated parameter, whose copy in
+        # every rank's chunk must sum to the same value everywhere (each chunk is quantized on its own)
+        self._quantized = {
+            p for p, params in enumerate(buckets) if wire.gradients and not any(s.spec.replicated for s in params)
+        }
         self._feedback: dict[int, quantized.ErrorFeedback] = {}  # per bucket: its quantized reduction's error
         self._replicated: dict[int, quantized.AcrossGroups] = {}  # per bucket: its quantized all-reduce across groups
         self.world_size = self.group.size()
@@ -549,9 +554,7 @@ class ReduceScatterReducer(GradientReducer):
         return quantized.hierarchical_reduce_scatter(output, bucket.buffer, by_host, bucket.label, feedback, flags)
 
     def _quantizes(self, bucket: Bucket) -> bool:
-        """Whether the bucket's gradients cross nodes quantized: not where it holds a replicated parameter, whose
-        copy in every rank's chunk must sum to the same value everywhere (each chunk is quantized on its own)."""
-        return self.wire.gradients and not any(s.spec.replicated for s in bucket.params)
+        return bucket.position in self._quantized
 
     def _across_groups(self, bucket: Bucket) -> quantized.AcrossGroups | None:
         """The bucket's quantized all-reduce across the shard groups, where it is quantized."""

@@ -31,8 +31,6 @@ T = TypeVar("T")
 RING_BUFFER_LIMIT = 256 * 2**20  # a unit gathering more goes through the channel's slots
 
 
-
-
 def install(
     fsdp_modules: list[nn.Module],
     group: ProcessGroup,

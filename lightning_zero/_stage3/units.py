@@ -199,35 +199,40 @@ class Unit:
             if part.world_size == 1 and part.rows.dtype == part.dtype:  # one rank: its rows are the whole
                 part.fill_whole(part.rows)
                 continue
-            plain = part.secondary is None and not self.quantize
-            shared = None if channel is None or not plain else channel.gather_buffer(part.layout.numel, part.dtype)
-            gathered = pool.acquire(part.layout.numel, part.dtype, part.device) if shared is None else shared
-            if part.secondary is not None:
-                assert self.secondary is not None
-                inner = self.secondary.inner
-                piece = gathered.view(inner.size(), -1)[inner.rank()]
-                piece.copy_(part.secondary)
-                part.secondary = None
-                comm.all_gather(gathered, piece, inner, self.label).wait()
-            else:
-                chunk = part.layout.chunks(gathered)[part.rank]
-                chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
-                if self.quantize:
-                    quantized.all_gather(gathered, chunk, self.group, self.label)
-                else:
-                    comm.all_gather(gathered, chunk, self.group, self.label).wait()
-                if keep_secondary and self.secondary is not None:
-                    inner = self.secondary.inner
-                    part.secondary = gathered.view(inner.size(), -1)[inner.rank()].clone()
-            part.fill_whole(gathered)
-            if shared is None:
-                pool.release(gathered)
-            del gathered, shared  # a ring buffer is free again once no rank refers to it
+            self._gather_part(part, pool, channel, keep_secondary)
         self.state = UnitState.GATHERED
 
-    def drop_secondary(self) -> None:
-        for part in self.parts:
+    def _gather_part(
+        self, part: Part, pool: BufferPool, channel: shared_memory.Channel | None, keep_secondary: bool
+    ) -> None:
+        """One part gathered and laid out whole; every view of a ring buffer goes with this frame, freeing it."""
+        plain = part.secondary is None and not self.quantize
+        shared = None if channel is None or not plain else channel.gather_buffer(part.layout.numel, part.dtype)
+        gathered = pool.acquire(part.layout.numel, part.dtype, part.device) if shared is None else shared
+        inner = None if self.secondary is None else self.secondary.inner
+        if part.secondary is not None:
+            assert inner is not None
+            piece = gathered.view(inner.size(), -1)[inner.rank()]
+            piece.copy_(part.secondary)
             part.secondary = None
+            comm.all_gather(gathered, piece, inner, self.label).wait()
+        else:
+            chunk = part.layout.chunks(gathered)[part.rank]
+            chunk.copy_(part.rows)  # cast to the gather's dtype where the rows are masters
+            if self.quantize:
+                quantized.all_gather(gathered, chunk, self.group, self.label)
+            else:
+                comm.all_gather(gathered, chunk, self.group, self.label).wait()
+            if keep_secondary and inner is not None:
+                part.secondary = gathered.view(inner.size(), -1)[inner.rank()].clone()
+        part.fill_whole(gathered)
+        if shared is None:
+            pool.release(gathered)
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            for part in self.parts:
+                part.secondary = None
 
     def release(self) -> None:
         """The modules hold the shards; the whole tensors' memory goes back. A released unit's modules hold its shards
