@@ -25,10 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from tests import forkserver
+
+Rank = subprocess.Popen[bytes] | forkserver.ForkedRank  # a rank's process, started or forked
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE = 3.0  # seconds the other ranks get to end by themselves after the first failure
@@ -114,18 +117,18 @@ def launch(module: str, args: list[str], world_size: int, timeout: float = 600, 
     seconds, and ``TimeoutError`` when the ranks run past ``timeout`` seconds in all; both show every rank's output.
     """
     port = free_port()
-    with ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(world_size)]
-        procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as logs:
+        paths = [Path(logs) / f"rank{rank}.log" for rank in range(world_size)]
+        procs: list[Rank] = []
         try:
-            for rank, log in enumerate(logs):
-                procs.append(_start(module, args, rank, world_size, nodes, port, log))
+            for rank, path in enumerate(paths):
+                procs.append(_fork_or_start(module, args, rank, world_size, nodes, port, path))
             timed_out = _wait_for_first_failure(procs, timeout)
         finally:
             killed = {rank for rank, proc in enumerate(procs) if _kill(proc)}
         results = [
-            RankResult(rank, Ending.KILLED if rank in killed else Ending.EXITED, proc.returncode, _read(log))
-            for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+            RankResult(rank, Ending.KILLED if rank in killed else Ending.EXITED, proc.wait(), _read(path))
+            for rank, (proc, path) in enumerate(zip(procs, paths, strict=True))
         ]
     outputs = "\n".join(r.describe() for r in results)
     if timed_out:
@@ -150,16 +153,9 @@ def start(
     return procs
 
 
-def _start(
-    module: str,
-    args: list[str],
-    rank: int,
-    world_size: int,
-    nodes: int,
-    port: int,
-    log: IO[bytes],
-    extra_env: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
+def _rank_env(
+    rank: int, world_size: int, nodes: int, port: int, extra_env: dict[str, str] | None = None
+) -> dict[str, str]:
     per_node = world_size // nodes
     env = dict(
         os.environ,
@@ -174,6 +170,20 @@ def _start(
         PYTHONUNBUFFERED="1",  # what a killed rank printed is in its file, not lost in its buffer
     )
     env.update(extra_env or {})
+    return env
+
+
+def _start(
+    module: str,
+    args: list[str],
+    rank: int,
+    world_size: int,
+    nodes: int,
+    port: int,
+    log: IO[bytes],
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    env = _rank_env(rank, world_size, nodes, port, extra_env)
     # A session of its own: killing the rank's process group also ends what it started (data loader workers).
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -181,7 +191,18 @@ def _start(
     )  # fmt: skip
 
 
-def _wait_for_first_failure(procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
+def _fork_or_start(module: str, args: list[str], rank: int, world_size: int, nodes: int, port: int, log: Path) -> Rank:
+    """The rank forked by a fork server (:mod:`tests.forkserver`) where one can give what a fresh process would be;
+    started afresh otherwise."""
+    env = _rank_env(rank, world_size, nodes, port)
+    server = forkserver.server_for(env, REPO)
+    if server is not None:
+        return server.fork(module, args, env, REPO, log)
+    with log.open("wb") as file:  # the child holds its own copy
+        return _start(module, args, rank, world_size, nodes, port, file)
+
+
+def _wait_for_first_failure(procs: list[Rank], timeout: float) -> bool:
     """Wait until every rank has ended, or a rank failed :data:`GRACE` seconds ago; return whether ``timeout`` ran
     out first."""
     deadline = time.monotonic() + timeout
@@ -200,7 +221,7 @@ def _wait_for_first_failure(procs: list[subprocess.Popen[bytes]], timeout: float
         time.sleep(POLL)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> bool:
+def _kill(proc: Rank) -> bool:
     """Kill ``proc``'s process group if it is still running; return whether it was."""
     if proc.poll() is not None:
         return False
@@ -213,6 +234,5 @@ def _kill(proc: subprocess.Popen[bytes]) -> bool:
     return True
 
 
-def _read(log: IO[bytes]) -> str:
-    log.seek(0)
-    return log.read().decode(errors="replace")
+def _read(log: Path) -> str:
+    return log.read_bytes().decode(errors="replace") if log.exists() else ""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_zero._offload.cgroup import MemoryGroup, Usage, Version
+from tests import forkserver
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -112,7 +113,7 @@ def joined(limit: int | None, name: str = "lightning_zero_bench") -> Iterator[Gr
     found = hierarchy()
     assert found is not None or unavailable_reason() is not None
     home = _own_group(found) if found is not None else None
-    with made(limit, name) as (group, result):
+    with made(limit, name) as (group, result), forkserver.off():
         enter(group)
         try:
             yield result

@@ -320,7 +320,7 @@ def secondary_groups(
 
 
 def _secondary_holds(unit: FSDPModule) -> bool:
-    groups = unit._get_fsdp_state()._fsdp_param_groups
+    groups = _param_groups(unit)
     made_here = hasattr(_fully_shard_module, "_get_post_forward_mesh_info")  # what `secondary_groups` replaces
     return made_here and all(hasattr(group, "post_forward_mesh_info") for group in groups)
 
