@@ -23,6 +23,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -49,14 +50,17 @@ def _context() -> tuple[str, ...]:
 class ForkedRank:
     """A rank forked by a :class:`ForkServer`: what ``launch`` asks of a ``subprocess.Popen``."""
 
-    def __init__(self, pid: int, status: Path) -> None:
+    def __init__(self, pid: int, status: Path, server: subprocess.Popen[bytes]) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._status = status
+        self._server = server
 
     def poll(self) -> int | None:
         if self.returncode is None and self._status.exists():
             self.returncode = int(self._status.read_text())
+        elif self.returncode is None and self._server.poll() is not None and not _exists(self.pid):
+            self.returncode = -signal.SIGKILL  # its server died first (killed with it?): nobody wrote its code
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -67,6 +71,14 @@ class ForkedRank:
             time.sleep(_POLL / 5)
         assert self.returncode is not None
         return self.returncode
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class ForkServer:
@@ -88,7 +100,7 @@ class ForkServer:
         reply = self._process.stdout.readline()
         if not reply:
             raise RuntimeError(f"the fork server {self._process.pid} ended (exit code {self._process.poll()})")
-        return ForkedRank(int(reply), status)
+        return ForkedRank(int(reply), status, self._process)
 
     def close(self) -> None:
         if self._process.poll() is None:
