@@ -149,7 +149,7 @@ def start(
     procs = []
     for rank in range(world_size):
         with (logs / f"rank{rank}.log").open("wb") as log:  # the child holds its own copy
-            procs.append(_start(module, args, rank, world_size, nodes, port, log, env))
+            procs.append(_start(module, args, _rank_env(rank, world_size, nodes, port, env), log))
     return procs
 
 
@@ -173,17 +173,7 @@ def _rank_env(
     return env
 
 
-def _start(
-    module: str,
-    args: list[str],
-    rank: int,
-    world_size: int,
-    nodes: int,
-    port: int,
-    log: IO[bytes],
-    extra_env: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
-    env = _rank_env(rank, world_size, nodes, port, extra_env)
+def _start(module: str, args: list[str], env: dict[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:
     # A session of its own: killing the rank's process group also ends what it started (data loader workers).
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -199,7 +189,7 @@ def _fork_or_start(module: str, args: list[str], rank: int, world_size: int, nod
     if server is not None:
         return server.fork(module, args, env, REPO, log)
     with log.open("wb") as file:  # the child holds its own copy
-        return _start(module, args, rank, world_size, nodes, port, file)
+        return _start(module, args, env, file)
 
 
 def _wait_for_first_failure(procs: list[Rank], timeout: float) -> bool:
